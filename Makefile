@@ -1,0 +1,47 @@
+# `make test` and `make serve` each set everything up from nothing (a fresh Debian with Python 3.11).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# mypy cannot see setuptools' editable import hook: it reads the package through this link instead.
+TYPEROOT := $(VENV)/typeroot
+PYTEST_ARGS ?=
+
+.PHONY: test serve install protos protos-check lint typecheck unit bench clean
+
+$(BIN)/python:
+	@$(PYTHON) -m venv $(VENV) 2>/dev/null || { \
+	  echo "python3 -m venv failed: installing python3-venv"; \
+	  apt-get update -qq && apt-get install -y -qq python3-venv && $(PYTHON) -m venv $(VENV); }
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+protos: $(STAMP)
+	$(BIN)/python protos/generate.py
+
+protos-check: $(STAMP)
+	$(BIN)/python protos/generate.py --check
+
+$(TYPEROOT)/pagedserve:
+	mkdir -p $(TYPEROOT) && ln -sfn $(CURDIR) $@
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+typecheck: $(STAMP) | $(TYPEROOT)/pagedserve
+	MYPYPATH=$(TYPEROOT) $(BIN)/mypy -p pagedserve
+
+# PYTHONSAFEPATH keeps the working directory off sys.path, so ./operator never shadows the stdlib.
+test: protos lint typecheck
+	PYTHONSAFEPATH=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+serve: protos
+	$(BIN)/pagedserve serve
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,68 @@
+"""Every invariant of the block manager, checked from scratch. Slow (O(blocks + table entries)): for tests."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from .stats import filled_slots
+
+if TYPE_CHECKING:
+    from .manager import BlockManager
+
+
+def check_integrity(manager: BlockManager) -> None:
+    pool, bs = manager.pool, manager.block_size
+    refs: Counter[int] = Counter()
+    cpu_refs: Counter[int] = Counter()
+    for seq_id, seq in manager.seqs.items():
+        assert seq.seq_id == seq_id, f"sequence stored under {seq_id} calls itself {seq.seq_id}"
+        assert seq.num_computed <= seq.num_slots <= len(seq.token_ids), (
+            f"seq {seq_id}: computed {seq.num_computed} <= slots {seq.num_slots} <= tokens"
+            f" {len(seq.token_ids)} violated (reserve/commit bookkeeping)"
+        )
+        assert len(seq.block_hashes) == seq.num_computed // bs, (
+            f"seq {seq_id}: {len(seq.block_hashes)} block keys for {seq.num_computed} computed tokens"
+        )
+        expected_blocks = -(-seq.num_slots // bs)
+        if seq.cpu_table is not None:
+            assert not seq.block_table, f"seq {seq_id} is swapped out but holds device blocks"
+            assert len(seq.cpu_table) == expected_blocks, f"seq {seq_id}: cpu table length is wrong"
+            cpu_refs.update(seq.cpu_table)
+            continue
+        assert len(seq.block_table) == expected_blocks, (
+            f"seq {seq_id}: {len(seq.block_table)} blocks for {seq.num_slots} slots (reserve bookkeeping)"
+        )
+        ids = [block.block_id for block in seq.block_table]
+        assert len(set(ids)) == len(ids), f"seq {seq_id} holds a block twice: {ids}"
+        refs.update(ids)
+        for i, block in enumerate(seq.block_table):
+            if block.block_hash is not None:  # registered content is immutable: never a write target
+                assert (i + 1) * bs <= seq.num_slots, f"seq {seq_id} may write into cached block {block}"
+
+    free_ids = [block.block_id for block in pool.free_queue]
+    assert len(free_ids) == len(set(free_ids)) == pool.num_free_blocks, "free queue count or duplicates"
+    free_set = set(free_ids)
+    for block in pool.blocks:
+        assert block.ref_count == refs[block.block_id], (
+            f"{block}: refcount {block.ref_count} but {refs[block.block_id]} block tables hold it"
+        )
+        assert (block.ref_count == 0) == (block.block_id in free_set), f"{block}: free iff unreferenced"
+    assert pool.num_free_blocks + sum(1 for b in pool.blocks if b.ref_count > 0) == pool.num_blocks
+    hashed = {block.block_hash: block for block in pool.blocks if block.block_hash is not None}
+    assert hashed.keys() == pool.cached.keys(), "prefix index and block hashes disagree"
+    for key, block in pool.cached.items():
+        assert hashed[key] is block, f"prefix index maps a key to {block}, which holds another"
+    cached_free = sum(1 for b in pool.blocks if b.ref_count == 0 and b.block_hash is not None)
+    assert cached_free == pool.num_cached_free, f"{cached_free} cached free blocks, counter says {pool.num_cached_free}"
+
+    assert pool.num_filled_used == filled_slots(manager), (
+        f"filled-slot counter {pool.num_filled_used} != {filled_slots(manager)} counted from block tables"
+    )
+
+    cpu = manager.cpu_pool
+    free_cpu = cpu.free_ids()
+    assert len(free_cpu) == len(set(free_cpu)) == cpu.num_free_blocks
+    for cpu_id, count in enumerate(cpu.ref_counts):
+        assert count == cpu_refs[cpu_id], f"cpu block {cpu_id}: refcount {count}, held {cpu_refs[cpu_id]}"
+        assert (count == 0) == (cpu_id in set(free_cpu)), f"cpu block {cpu_id}: free iff unreferenced"

@@ -1,0 +1,335 @@
+"""The block manager the scheduler calls: sequences, block tables, prefix reuse, copy-on-write and swap.
+
+Three tiers of outcome, as in vLLM's core: running out of blocks is a normal answer (a refused result
+that changed nothing); misuse (unknown sequence, impossible counts) raises ValueError naming the
+values; a broken invariant is an assert, caught by `check_integrity()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .block_pool import BlockPool, KVBlock
+from .cpu_pool import CpuBlockPool
+from .prefix_hash import block_hash
+from .stats import BlockStats, collect_stats
+
+
+class BlockTableDelta(NamedTuple):
+    """table_after = table_before[:keep] + append (device block ids)."""
+
+    seq_id: int
+    keep: int
+    append: tuple[int, ...]
+
+
+class BlockCopy(NamedTuple):
+    src: int
+    dst: int
+    num_slots: int  # leading token slots that hold data
+
+
+class CreateResult(NamedTuple):
+    num_cached_tokens: int
+    delta: BlockTableDelta
+
+
+class Reservation(NamedTuple):
+    granted: bool
+    slot_mapping: list[int]  # [num_tokens], block_id * block_size + offset
+    copies: list[BlockCopy]  # copy-on-write, to apply before the forward pass
+    delta: BlockTableDelta | None  # None when the table did not change
+
+
+class SwapResult(NamedTuple):
+    granted: bool
+    copies: list[BlockCopy]  # swap out: device -> cpu ids; swap in: cpu -> device ids
+    deltas: list[BlockTableDelta]
+
+
+REFUSED_RESERVATION = Reservation(False, [], [], None)
+REFUSED_SWAP = SwapResult(False, [], [])
+
+
+@dataclass(eq=False)
+class SequenceState:
+    seq_id: int
+    namespace: bytes
+    token_ids: list[int]
+    block_table: list[KVBlock] = field(default_factory=list)
+    num_slots: int = 0  # tokens with a reserved slot (KV stored or about to be)
+    num_computed: int = 0  # tokens whose KV the executor has stored
+    block_hashes: list[bytes] = field(default_factory=list)  # keys of the full computed blocks
+    cpu_table: list[int] | None = None  # cpu block ids while swapped out
+
+    @property
+    def is_swapped(self) -> bool:
+        return self.cpu_table is not None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, watermark: float = 0.01):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.watermark = watermark
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.pool = BlockPool(num_blocks)
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
+        self.seqs: dict[int, SequenceState] = {}
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # prompt tokens served from it
+        self.num_cow_copies = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+
+    # ---- queries -------------------------------------------------------------------------------------
+
+    def get(self, seq_id: int) -> SequenceState:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"unknown sequence {seq_id}")
+        return seq
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return [block.block_id for block in self.get(seq_id).block_table]
+
+    def num_blocks_to_reserve(self, seq: SequenceState, num_tokens: int) -> int:
+        """Free blocks a reservation of num_tokens would take: new tail blocks plus a copy-on-write."""
+        bs = self.block_size
+        num_new = -(-(seq.num_slots + num_tokens) // bs) - len(seq.block_table)
+        writes_shared_tail = (
+            num_tokens > 0 and seq.num_slots % bs != 0 and seq.block_table[-1].ref_count > 1
+        )
+        return num_new + int(writes_shared_tail)
+
+    def can_reserve(self, seq_id: int, num_tokens: int, admission: bool = False) -> bool:
+        seq = self.get(seq_id)
+        return self.num_blocks_to_reserve(seq, num_tokens) <= self._budget(admission)
+
+    def can_admit(self, num_tokens: int) -> bool:
+        """Whether a new sequence's first num_tokens fit above the watermark (prefix hits ignored)."""
+        return -(-num_tokens // self.block_size) <= self._budget(admission=True)
+
+    def _budget(self, admission: bool) -> int:
+        return self.pool.num_free_blocks - (self.watermark_blocks if admission else 0)
+
+    # ---- acts ----------------------------------------------------------------------------------------
+
+    def create(self, seq_id: int, token_ids: Sequence[int], namespace: bytes) -> CreateResult:
+        """Registers a prompt and reuses its longest cached prefix, leaving the last token to compute."""
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} already exists")
+        if not token_ids:
+            raise ValueError(f"sequence {seq_id}: token_ids must not be empty")
+        if not namespace:
+            raise ValueError(f"sequence {seq_id}: cache namespace must not be empty")
+        seq = SequenceState(seq_id, namespace, list(token_ids))
+        bs = self.block_size
+        parent = namespace
+        for i in range((len(token_ids) - 1) // bs):
+            key = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            self.pool.acquire(block)
+            seq.block_table.append(block)
+            seq.block_hashes.append(key)
+            parent = key
+        seq.num_slots = seq.num_computed = len(seq.block_table) * bs
+        self.prefix_queries += len(token_ids)
+        self.prefix_hits += seq.num_computed
+        self.seqs[seq_id] = seq
+        append = tuple(block.block_id for block in seq.block_table)
+        return CreateResult(seq.num_computed, BlockTableDelta(seq_id, 0, append))
+
+    def fork(self, parent_id: int, child_id: int) -> BlockTableDelta:
+        """The child shares every block of the parent; the first write into a shared tail copies it."""
+        parent = self._resident(parent_id)
+        if child_id in self.seqs:
+            raise ValueError(f"fork: child sequence {child_id} already exists")
+        for block in parent.block_table:
+            self.pool.acquire(block)
+        self.seqs[child_id] = SequenceState(
+            child_id, parent.namespace, list(parent.token_ids), list(parent.block_table),
+            parent.num_slots, parent.num_computed, list(parent.block_hashes),
+        )
+        return BlockTableDelta(child_id, 0, tuple(b.block_id for b in parent.block_table))
+
+    def reserve(
+        self, seq_id: int, num_tokens: int, append_token_ids: Sequence[int] = (), admission: bool = False
+    ) -> Reservation:
+        """Appends known tokens, then reserves slots for the next num_tokens tokens: all or nothing."""
+        seq = self._resident(seq_id)
+        if num_tokens < 0:
+            raise ValueError(f"reserve: num_tokens must be >= 0, got {num_tokens} for sequence {seq_id}")
+        known = len(seq.token_ids) + len(append_token_ids)
+        if seq.num_slots + num_tokens > known:
+            raise ValueError(
+                f"reserve: sequence {seq_id} has {known} known tokens and {seq.num_slots} reserved slots;"
+                f" cannot reserve {num_tokens} more"
+            )
+        if self.num_blocks_to_reserve(seq, num_tokens) > self._budget(admission):
+            return REFUSED_RESERVATION
+        seq.token_ids.extend(append_token_ids)
+        bs, table = self.block_size, seq.block_table
+        keep = len(table)
+        copies: list[BlockCopy] = []
+        if num_tokens > 0 and seq.num_slots % bs != 0 and table[-1].ref_count > 1:
+            shared = table[-1]
+            private = self.pool.allocate()
+            copies.append(BlockCopy(shared.block_id, private.block_id, seq.num_slots % bs))
+            self.pool.fill(private, seq.num_slots % bs)
+            self.pool.release(shared)
+            table[-1] = private
+            keep -= 1
+            self.num_cow_copies += 1
+        end = seq.num_slots + num_tokens
+        while len(table) * bs < end:
+            table.append(self.pool.allocate())
+        slot_mapping = [table[p // bs].block_id * bs + p % bs for p in range(seq.num_slots, end)]
+        for i in range(seq.num_slots // bs, -(-end // bs)):
+            self.pool.fill(table[i], min(bs, end - i * bs))
+        seq.num_slots = end
+        delta = None
+        if keep != len(table):
+            delta = BlockTableDelta(seq_id, keep, tuple(b.block_id for b in table[keep:]))
+        return Reservation(True, slot_mapping, copies, delta)
+
+    def commit(self, seq_id: int, num_computed_tokens: int) -> None:
+        """Records stored KV; each block that became full joins the prefix cache under its chained key."""
+        seq = self._resident(seq_id)
+        if not seq.num_computed <= num_computed_tokens <= seq.num_slots:
+            raise ValueError(
+                f"commit: sequence {seq_id} needs {seq.num_computed} <= num_computed_tokens <= "
+                f"{seq.num_slots}, got {num_computed_tokens}"
+            )
+        seq.num_computed = num_computed_tokens
+        self._register_full_blocks(seq)
+
+    def free(self, seq_id: int) -> None:
+        """Releases every block, tail first, so a cached prefix's head blocks are evicted last."""
+        seq = self.get(seq_id)
+        del self.seqs[seq_id]
+        if seq.cpu_table is not None:
+            for cpu_id in reversed(seq.cpu_table):
+                self.cpu_pool.release(cpu_id)
+        for block in reversed(seq.block_table):
+            self.pool.release(block)
+
+    def swap_out(self, seq_ids: Iterable[int]) -> SwapResult:
+        """Moves whole sequences to the CPU pool; a block shared among them is copied once."""
+        seqs = self._distinct(seq_ids, swapped=False)
+        src_slots: dict[int, int] = {}  # device block id -> valid slots
+        for seq in seqs:
+            for i, block in enumerate(seq.block_table):
+                filled = min(self.block_size, seq.num_slots - i * self.block_size)
+                src_slots[block.block_id] = max(src_slots.get(block.block_id, 0), filled)
+        if len(src_slots) > self.cpu_pool.num_free_blocks:
+            return REFUSED_SWAP
+        dst = {block_id: self.cpu_pool.allocate() for block_id in src_slots}
+        for seq in seqs:
+            seq.cpu_table = [dst[block.block_id] for block in seq.block_table]
+            for cpu_id in seq.cpu_table:
+                self.cpu_pool.acquire(cpu_id)
+            for block in reversed(seq.block_table):
+                self.pool.release(block)
+            seq.block_table = []
+        for cpu_id in dst.values():
+            self.cpu_pool.release(cpu_id)  # drop the allocation's own reference: holders keep theirs
+        self.num_swapped_out_blocks += len(dst)
+        copies = [BlockCopy(src, dst[src], slots) for src, slots in src_slots.items()]
+        return SwapResult(True, copies, [BlockTableDelta(seq.seq_id, 0, ()) for seq in seqs])
+
+    def swap_in(self, seq_ids: Iterable[int]) -> SwapResult:
+        """Brings swapped sequences back, above the watermark. Full blocks whose content is still in the
+        device prefix cache are reused from there; only the rest is copied back into fresh blocks."""
+        seqs = self._distinct(seq_ids, swapped=True)
+        src_slots: dict[int, int] = {}  # cpu block id -> valid slots
+        reuse: dict[int, KVBlock] = {}  # cpu block id -> cached device block with the same content
+        for seq in seqs:
+            assert seq.cpu_table is not None
+            for i, cpu_id in enumerate(seq.cpu_table):
+                filled = min(self.block_size, seq.num_slots - i * self.block_size)
+                src_slots[cpu_id] = max(src_slots.get(cpu_id, 0), filled)
+                cached = self.pool.lookup(seq.block_hashes[i]) if i < len(seq.block_hashes) else None
+                if cached is not None:
+                    reuse[cpu_id] = cached
+        to_copy = [cpu_id for cpu_id in src_slots if cpu_id not in reuse]
+        needed = len(to_copy) + sum(1 for block in reuse.values() if block.ref_count == 0)
+        if needed > self._budget(admission=True):
+            return REFUSED_SWAP
+        dst: dict[int, KVBlock] = {}
+        for cpu_id, block in reuse.items():  # revive hits before allocating, so allocation cannot evict them
+            self.pool.acquire(block)
+            dst[cpu_id] = block
+        for cpu_id in to_copy:
+            dst[cpu_id] = self.pool.allocate()
+            self.pool.fill(dst[cpu_id], src_slots[cpu_id])
+        deltas = []
+        for seq in seqs:
+            assert seq.cpu_table is not None
+            seq.block_table = [dst[cpu_id] for cpu_id in seq.cpu_table]
+            for block in seq.block_table:
+                self.pool.acquire(block)
+            for cpu_id in reversed(seq.cpu_table):
+                self.cpu_pool.release(cpu_id)
+            seq.cpu_table = None
+            deltas.append(BlockTableDelta(seq.seq_id, 0, tuple(b.block_id for b in seq.block_table)))
+        for block in dst.values():
+            self.pool.release(block)  # drop the plan's own reference: holders keep theirs
+        for seq in seqs:
+            self._register_full_blocks(seq, rehash=True)
+        self.num_swapped_in_blocks += len(to_copy)
+        copies = [BlockCopy(cpu_id, dst[cpu_id].block_id, src_slots[cpu_id]) for cpu_id in to_copy]
+        return SwapResult(True, copies, deltas)
+
+    def reset(self) -> None:
+        """Forgets every sequence and every cached block (the executor's KV tensors are gone)."""
+        self.seqs.clear()
+        self.pool.reset()
+        self.cpu_pool.reset()
+
+    def stats(self) -> BlockStats:
+        return collect_stats(self)
+
+    def check_integrity(self) -> None:
+        from .integrity import check_integrity
+
+        check_integrity(self)
+
+    # ---- helpers -------------------------------------------------------------------------------------
+
+    def _resident(self, seq_id: int) -> SequenceState:
+        seq = self.get(seq_id)
+        if seq.is_swapped:
+            raise ValueError(f"sequence {seq_id} is swapped out")
+        return seq
+
+    def _distinct(self, seq_ids: Iterable[int], swapped: bool) -> list[SequenceState]:
+        ids = list(seq_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"swap: duplicate sequence ids in {ids}")
+        seqs = [self.get(seq_id) for seq_id in ids]
+        for seq in seqs:
+            if seq.is_swapped != swapped:
+                state = "swapped out" if seq.is_swapped else "resident"
+                raise ValueError(f"swap: sequence {seq.seq_id} is {state}")
+        return seqs
+
+    def _register_full_blocks(self, seq: SequenceState, rehash: bool = False) -> None:
+        bs = self.block_size
+        if rehash:  # after swap-in: the keys are known, the device blocks are new
+            for block, key in zip(seq.block_table, seq.block_hashes, strict=False):
+                self.pool.register(block, key)
+            return
+        for i in range(len(seq.block_hashes), seq.num_computed // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.namespace
+            key = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            self.pool.register(seq.block_table[i], key)
+            seq.block_hashes.append(key)
+

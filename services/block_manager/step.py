@@ -1,0 +1,234 @@
+"""One scheduler step's worth of block-manager operations, validated as a whole and then applied in order.
+
+The whole batch is validated against a shadow of the sequences it touches before anything changes, so a
+malformed batch raises `InvalidStep` (naming the op and field) with no effect. A shortage of blocks is a
+per-op refusal; once an op on a sequence is refused, later ops on that sequence in the same step are
+refused too (they were planned assuming it succeeded), except Free, which always applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .manager import BlockCopy, BlockManager, BlockTableDelta
+
+MIN_NAMESPACE_BYTES, MAX_NAMESPACE_BYTES = 8, 64
+MAX_TOKEN_ID = 2**31 - 1
+
+
+class InvalidStep(ValueError):
+    """A malformed or inconsistent op: nothing in the step was applied."""
+
+
+@dataclass(frozen=True)
+class CreateOp:
+    seq_id: int
+    token_ids: Sequence[int]
+    cache_namespace: bytes
+
+
+@dataclass(frozen=True)
+class ForkOp:
+    parent_seq_id: int
+    child_seq_id: int
+
+
+@dataclass(frozen=True)
+class ReserveOp:
+    seq_id: int
+    num_tokens: int
+    append_token_ids: Sequence[int] = ()
+    admission: bool = False
+
+
+@dataclass(frozen=True)
+class CommitOp:
+    seq_id: int
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class FreeOp:
+    seq_id: int
+
+
+@dataclass(frozen=True)
+class SwapOutOp:
+    seq_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class SwapInOp:
+    seq_ids: Sequence[int]
+
+
+Op = CreateOp | ForkOp | ReserveOp | CommitOp | FreeOp | SwapOutOp | SwapInOp
+
+
+@dataclass
+class OpOutcome:
+    granted: bool = True
+    reason: str = ""  # why refused
+    deltas: list[BlockTableDelta] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, device -> device
+    swap_out: list[BlockCopy] = field(default_factory=list)  # device -> cpu
+    swap_in: list[BlockCopy] = field(default_factory=list)  # cpu -> device
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Shadow:
+    swapped: bool
+    num_known: int
+    num_slots: int
+    num_computed: int
+
+
+class _Validator:
+    """Replays the ops on shadows of the sequences they touch, assuming every op is granted."""
+
+    def __init__(self, manager: BlockManager) -> None:
+        self.manager = manager
+        self.shadows: dict[int, _Shadow | None] = {}  # None: does not exist at this point of the step
+
+    def shadow(self, seq_id: int) -> _Shadow | None:
+        if seq_id not in self.shadows:
+            seq = self.manager.seqs.get(seq_id)
+            self.shadows[seq_id] = (
+                None if seq is None else _Shadow(seq.is_swapped, len(seq.token_ids), seq.num_slots, seq.num_computed)
+            )
+        return self.shadows[seq_id]
+
+    def existing(self, seq_id: int, where: str, resident: bool | None = True) -> _Shadow:
+        shadow = self.shadow(seq_id)
+        if shadow is None:
+            raise InvalidStep(f"{where}: unknown sequence {seq_id}")
+        if resident is not None and shadow.swapped == resident:
+            raise InvalidStep(f"{where}: sequence {seq_id} is {'swapped out' if resident else 'not swapped out'}")
+        return shadow
+
+    def absent(self, seq_id: int, where: str) -> None:
+        if self.shadow(seq_id) is not None:
+            raise InvalidStep(f"{where}: sequence {seq_id} already exists")
+
+    def check(self, index: int, op: Op) -> None:
+        at = f"ops[{index}]"
+        match op:
+            case CreateOp():
+                self.absent(op.seq_id, f"{at}.create.seq_id")
+                if not op.token_ids:
+                    raise InvalidStep(f"{at}.create.token_ids: must not be empty")
+                _check_token_ids(op.token_ids, f"{at}.create.token_ids")
+                if not MIN_NAMESPACE_BYTES <= len(op.cache_namespace) <= MAX_NAMESPACE_BYTES:
+                    raise InvalidStep(
+                        f"{at}.create.cache_namespace: must be {MIN_NAMESPACE_BYTES} to {MAX_NAMESPACE_BYTES}"
+                        f" bytes, got {len(op.cache_namespace)}"
+                    )
+                self.shadows[op.seq_id] = _Shadow(False, len(op.token_ids), 0, 0)
+            case ForkOp():
+                parent = self.existing(op.parent_seq_id, f"{at}.fork.parent_seq_id")
+                self.absent(op.child_seq_id, f"{at}.fork.child_seq_id")
+                self.shadows[op.child_seq_id] = _Shadow(False, parent.num_known, parent.num_slots, parent.num_computed)
+            case ReserveOp():
+                seq = self.existing(op.seq_id, f"{at}.reserve.seq_id")
+                _check_token_ids(op.append_token_ids, f"{at}.reserve.append_token_ids")
+                seq.num_known += len(op.append_token_ids)
+                if op.num_tokens < 0 or seq.num_slots + op.num_tokens > seq.num_known:
+                    raise InvalidStep(
+                        f"{at}.reserve.num_tokens: {op.num_tokens} exceeds the {seq.num_known - seq.num_slots}"
+                        f" known tokens of sequence {op.seq_id} without a slot"
+                    )
+                seq.num_slots += op.num_tokens
+            case CommitOp():
+                seq = self.existing(op.seq_id, f"{at}.commit.seq_id")
+                if not seq.num_computed <= op.num_computed_tokens <= seq.num_slots:
+                    raise InvalidStep(
+                        f"{at}.commit.num_computed_tokens: {op.num_computed_tokens} outside"
+                        f" [{seq.num_computed}, {seq.num_slots}] for sequence {op.seq_id}"
+                    )
+                seq.num_computed = op.num_computed_tokens
+            case FreeOp():
+                self.existing(op.seq_id, f"{at}.free.seq_id", resident=None)
+                self.shadows[op.seq_id] = None
+            case SwapOutOp() | SwapInOp():
+                name = "swap_out" if isinstance(op, SwapOutOp) else "swap_in"
+                if not op.seq_ids or len(set(op.seq_ids)) != len(op.seq_ids):
+                    raise InvalidStep(f"{at}.{name}.seq_ids: must be non-empty and distinct, got {list(op.seq_ids)}")
+                for seq_id in op.seq_ids:
+                    self.existing(seq_id, f"{at}.{name}.seq_ids", resident=isinstance(op, SwapOutOp)).swapped = (
+                        isinstance(op, SwapOutOp)
+                    )
+
+
+def _check_token_ids(token_ids: Sequence[int], where: str) -> None:
+    bad = next((t for t in token_ids if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise InvalidStep(f"{where}: token id {bad} is negative or too large")
+
+
+def apply_step(manager: BlockManager, ops: Sequence[Op]) -> list[OpOutcome]:
+    """Validates every op, then applies them in order; one outcome per op."""
+    validator = _Validator(manager)
+    for index, op in enumerate(ops):
+        validator.check(index, op)
+    refused: set[int] = set()
+    return [_apply(manager, op, refused) for op in ops]
+
+
+def _apply(manager: BlockManager, op: Op, refused: set[int]) -> OpOutcome:
+    if isinstance(op, FreeOp):
+        refused.discard(op.seq_id)
+        if op.seq_id in manager.seqs:
+            manager.free(op.seq_id)
+        return OpOutcome()
+    subjects = _subjects(op)
+    blocked = refused.intersection(subjects)
+    if blocked:
+        refused.update(subjects)
+        return OpOutcome(False, f"skipped: an earlier op on sequence {min(blocked)} in this step was refused")
+    match op:
+        case CreateOp():
+            created = manager.create(op.seq_id, op.token_ids, op.cache_namespace)
+            return OpOutcome(deltas=[created.delta], num_cached_tokens=created.num_cached_tokens)
+        case ForkOp():
+            return OpOutcome(deltas=[manager.fork(op.parent_seq_id, op.child_seq_id)])
+        case ReserveOp():
+            seq = manager.seqs[op.seq_id]
+            needed = manager.num_blocks_to_reserve(seq, op.num_tokens)
+            reservation = manager.reserve(op.seq_id, op.num_tokens, op.append_token_ids, op.admission)
+            if not reservation.granted:
+                refused.add(op.seq_id)
+                kept = f" ({manager.watermark_blocks} held back by the watermark)" if op.admission else ""
+                return OpOutcome(
+                    False, f"needs {needed} free blocks, {manager.pool.num_free_blocks} free{kept}"
+                )
+            deltas = [reservation.delta] if reservation.delta else []
+            return OpOutcome(deltas=deltas, slot_mapping=reservation.slot_mapping, copies=reservation.copies)
+        case CommitOp():
+            manager.commit(op.seq_id, op.num_computed_tokens)
+            return OpOutcome()
+        case SwapOutOp():
+            result = manager.swap_out(op.seq_ids)
+            if not result.granted:
+                refused.update(op.seq_ids)
+                return OpOutcome(False, f"cpu pool has {manager.cpu_pool.num_free_blocks} free blocks: too few")
+            return OpOutcome(deltas=result.deltas, swap_out=result.copies)
+        case SwapInOp():
+            result = manager.swap_in(op.seq_ids)
+            if not result.granted:
+                refused.update(op.seq_ids)
+                return OpOutcome(False, f"device has {manager.pool.num_free_blocks} free blocks: too few to swap in")
+            return OpOutcome(deltas=result.deltas, swap_in=result.copies)
+    raise AssertionError(f"unhandled op {op!r}")
+
+
+def _subjects(op: Op) -> tuple[int, ...]:
+    match op:
+        case ForkOp():
+            return (op.parent_seq_id, op.child_seq_id)
+        case SwapOutOp() | SwapInOp():
+            return tuple(op.seq_ids)
+        case _:
+            return (op.seq_id,)

@@ -1,0 +1,192 @@
+"""Scenario tests of the block-manager core with exact block ids."""
+
+import pytest
+
+from pagedserve.services.block_manager.manager import BlockCopy, BlockManager, BlockTableDelta
+from pagedserve.services.block_manager.prefix_hash import block_hash, cache_namespace
+
+NS_A = cache_namespace(model="m", tokenizer="t", chat_template="c", adapter="", kv_dtype="fp32",
+                       block_size=4, tenant_salt=b"tenant-a")
+NS_B = cache_namespace(model="m", tokenizer="t", chat_template="c", adapter="", kv_dtype="fp32",
+                       block_size=4, tenant_salt=b"tenant-b")
+
+
+def fill(manager: BlockManager, seq_id: int, tokens: list[int], namespace: bytes = NS_A) -> list[int]:
+    """Creates a sequence, reserves and commits all its prompt tokens; returns its slot mapping."""
+    created = manager.create(seq_id, tokens, namespace)
+    reservation = manager.reserve(seq_id, len(tokens) - created.num_cached_tokens)
+    assert reservation.granted
+    manager.commit(seq_id, len(tokens))
+    manager.check_integrity()
+    return reservation.slot_mapping
+
+
+def test_namespace_digest_depends_on_every_part() -> None:
+    base = dict(model="m", tokenizer="t", chat_template="c", adapter="", kv_dtype="fp32", block_size=4)
+    digests = {cache_namespace(**base, tenant_salt=b"")}  # type: ignore[arg-type]
+    for key, other in [("model", "m2"), ("tokenizer", "t2"), ("chat_template", "c2"), ("adapter", "a"),
+                       ("kv_dtype", "bf16"), ("block_size", 8)]:
+        digests.add(cache_namespace(**{**base, key: other}, tenant_salt=b""))  # type: ignore[arg-type]
+    digests.add(cache_namespace(**base, tenant_salt=b"x"))  # type: ignore[arg-type]
+    assert len(digests) == 8
+    # length-prefixed fields: moving a character between fields changes the digest
+    assert cache_namespace(**{**base, "model": "ab", "tokenizer": "c"}, tenant_salt=b"") != cache_namespace(  # type: ignore[arg-type]
+        **{**base, "model": "a", "tokenizer": "bc"}, tenant_salt=b""  # type: ignore[arg-type]
+    )
+
+
+def test_slot_mapping_and_new_block_only_when_tail_is_full() -> None:
+    m = BlockManager(num_blocks=8, block_size=4)
+    assert fill(m, 1, [1, 2, 3, 4, 5, 6]) == [0, 1, 2, 3, 4, 5]
+    assert m.block_table(1) == [0, 1]
+    r = m.reserve(1, 1, append_token_ids=[7])  # slot 6 fits in block 1
+    assert r.slot_mapping == [6] and r.delta is None and r.copies == []
+    r = m.reserve(1, 2, append_token_ids=[8, 9])  # slot 7, then a new block
+    assert r.slot_mapping == [7, 8] and r.delta == BlockTableDelta(1, 2, (2,))
+    m.check_integrity()
+
+
+def test_prefix_hit_reuses_blocks_and_leaves_last_token() -> None:
+    m = BlockManager(num_blocks=8, block_size=4)
+    fill(m, 1, list(range(10)))  # blocks 0, 1 full and hashed; block 2 partial
+    created = m.create(2, list(range(8)) + [50, 51], NS_A)
+    assert created.num_cached_tokens == 8 and m.block_table(2) == [0, 1]
+    assert m.pool.blocks[0].ref_count == 2
+    # a prompt that is exactly the cached blocks still computes its last token: one block is not reused
+    created = m.create(3, list(range(8)), NS_A)
+    assert created.num_cached_tokens == 4 and m.block_table(3) == [0]
+    stats = m.stats()
+    assert stats.prefix_cache_queries == 28 and stats.prefix_cache_hits == 12
+    m.check_integrity()
+
+
+def test_namespace_isolation() -> None:
+    m = BlockManager(num_blocks=8, block_size=4)
+    fill(m, 1, list(range(9)), NS_A)
+    assert m.create(2, list(range(9)), NS_B).num_cached_tokens == 0
+    assert m.create(3, list(range(9)), NS_A).num_cached_tokens == 8
+
+
+def test_lru_eviction_order() -> None:
+    m = BlockManager(num_blocks=6, block_size=2)
+    fill(m, 1, [1, 2, 3, 4, 9])  # blocks 0, 1 hashed, 2 partial
+    fill(m, 2, [5, 6, 7, 8, 9])  # blocks 3, 4 hashed, 5 partial
+    m.free(1)  # tail first: 2 (unhashed) to the head; 1 then 0 to the tail
+    m.free(2)  # 5 to the head; 4 then 3 to the tail
+    assert [b.block_id for b in m.pool.free_queue] == [5, 2, 1, 0, 4, 3]
+    assert m.stats().num_cached_blocks == 4
+    # a hit revives block 0 and 1 from the middle of the queue
+    assert m.create(3, [1, 2, 3, 4, 7], NS_A).num_cached_tokens == 4
+    assert [b.block_id for b in m.pool.free_queue] == [5, 2, 4, 3]
+    r = m.reserve(3, 1)
+    assert r.delta == BlockTableDelta(3, 2, (5,))  # unhashed blocks go first
+    m.create(4, [0, 0, 0], NS_A)
+    # then the least recently freed cached block: the tail of seq 2's prefix, whose head block survives
+    assert m.reserve(4, 3).delta == BlockTableDelta(4, 0, (2, 4))
+    assert m.stats().num_evictions == 1 and m.pool.lookup(block_hash(NS_A, [5, 6])) is m.pool.blocks[3]
+    assert m.pool.lookup(block_hash(block_hash(NS_A, [5, 6]), [7, 8])) is None
+    m.check_integrity()
+
+
+def test_copy_on_write_on_shared_tail_and_fork_then_diverge() -> None:
+    m = BlockManager(num_blocks=8, block_size=4)
+    fill(m, 1, [1, 2, 3, 4, 5, 6])
+    assert m.fork(1, 2) == BlockTableDelta(2, 0, (0, 1))
+    assert m.pool.blocks[1].ref_count == 2
+    r = m.reserve(2, 1, append_token_ids=[100])  # child writes into the shared partial tail
+    assert r.copies == [BlockCopy(1, 2, 2)] and r.delta == BlockTableDelta(2, 1, (2,)) and r.slot_mapping == [10]
+    assert m.block_table(1) == [0, 1] and m.block_table(2) == [0, 2]
+    r = m.reserve(1, 1, append_token_ids=[200])  # the parent now owns its tail alone: writes in place
+    assert r.copies == [] and r.slot_mapping == [6]
+    assert m.pool.blocks[0].ref_count == 2 and m.pool.blocks[1].ref_count == 1
+    assert m.seqs[1].token_ids[-1] == 200 and m.seqs[2].token_ids[-1] == 100
+    assert m.stats().num_cow_copies == 1
+    m.check_integrity()
+
+
+def test_swap_out_and_back_in_with_shared_blocks() -> None:
+    m = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=4)
+    fill(m, 1, [1, 2, 3, 4, 5, 6])
+    m.fork(1, 2)
+    out = m.swap_out([1, 2])
+    assert out.granted and sorted(out.copies) == [BlockCopy(0, 0, 4), BlockCopy(1, 1, 2)]
+    assert m.stats().num_free_blocks == 8 and m.stats().num_free_cpu_blocks == 2
+    assert m.cpu_pool.ref_counts[:2] == [2, 2]
+    m.check_integrity()
+    back = m.swap_in([1, 2])
+    # the full block is still in the device prefix cache (block 0): only the partial tail is copied back
+    assert back.granted and back.copies == [BlockCopy(1, 1, 2)]
+    assert m.block_table(1) == m.block_table(2) == [0, 1]  # still shared after the round trip
+    assert m.stats().num_free_cpu_blocks == 4 and m.stats().num_swapped_in_blocks == 1
+    m.check_integrity()
+
+
+def test_swap_in_copies_back_what_was_evicted_meanwhile() -> None:
+    m = BlockManager(num_blocks=3, block_size=2, num_cpu_blocks=3)
+    fill(m, 1, [1, 2, 3, 4, 5])
+    assert m.swap_out([1]).granted
+    fill(m, 2, [7, 8, 9, 9, 9])  # takes every block, evicting seq 1's cached prefix
+    m.free(2)
+    back = m.swap_in([1])
+    assert sorted(c.num_slots for c in back.copies) == [1, 2, 2] and m.stats().num_evictions == 4
+    m.check_integrity()
+
+
+def test_swap_out_of_one_sharer_keeps_the_other_intact() -> None:
+    m = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=4)
+    fill(m, 1, [1, 2, 3, 4, 5, 6])
+    m.fork(1, 2)
+    out = m.swap_out([2])
+    assert len(out.copies) == 2 and m.block_table(1) == [0, 1] and m.pool.blocks[0].ref_count == 1
+    m.check_integrity()
+
+
+def test_refusals_change_nothing() -> None:
+    m = BlockManager(num_blocks=4, block_size=4, num_cpu_blocks=1, watermark=0.25)
+    fill(m, 1, list(range(12)))  # 3 blocks, 1 free
+    before = (m.stats(), m.block_table(1))
+    assert not m.reserve(1, 1, append_token_ids=[1], admission=True).granted  # watermark holds 1 back
+    assert m.stats() == before[0] and len(m.seqs[1].token_ids) == 12
+    assert m.reserve(1, 1, append_token_ids=[1]).granted  # a running sequence may use it
+    assert not m.reserve(1, 4, append_token_ids=[1, 2, 3, 4]).granted
+    assert not m.swap_out([1]).granted  # 4 blocks, cpu pool holds 1
+    assert (m.stats().num_free_blocks, m.block_table(1)) == (0, [0, 1, 2, 3])
+    m.check_integrity()
+
+
+def test_misuse_raises_with_values() -> None:
+    m = BlockManager(num_blocks=4, block_size=4)
+    fill(m, 1, [1, 2, 3])
+    with pytest.raises(ValueError, match="unknown sequence 9"):
+        m.reserve(9, 1)
+    with pytest.raises(ValueError, match="already exists"):
+        m.create(1, [1], NS_A)
+    with pytest.raises(ValueError, match="3 known tokens"):
+        m.reserve(1, 1)
+    with pytest.raises(ValueError, match="got -1"):
+        m.reserve(1, -1)
+    m.free(1)
+    with pytest.raises(ValueError, match="unknown sequence 1"):
+        m.free(1)
+    with pytest.raises(ValueError, match="num_blocks must be positive"):
+        BlockManager(num_blocks=0, block_size=4)
+
+
+def test_kv_utilization_counts_filled_slots() -> None:
+    m = BlockManager(num_blocks=8, block_size=4)
+    fill(m, 1, [1, 2, 3, 4, 5])  # 5 of 8 slots
+    assert m.stats().kv_utilization == pytest.approx(5 / 8)
+    m.fork(1, 2)  # shared blocks counted once
+    assert m.stats().kv_utilization == pytest.approx(5 / 8)
+    m.reserve(2, 1, append_token_ids=[9])  # CoW: private block with 2 slots
+    assert m.stats().kv_utilization == pytest.approx(7 / 12)
+    m.check_integrity()
+
+
+def test_reset_forgets_everything() -> None:
+    m = BlockManager(num_blocks=4, block_size=2, num_cpu_blocks=2)
+    fill(m, 1, [1, 2, 3])
+    m.reset()
+    assert m.stats().num_free_blocks == 4 and not m.seqs and not m.pool.cached
+    assert m.create(2, [1, 2, 3], NS_A).num_cached_tokens == 0
+    m.check_integrity()
