@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..common.errors import InvalidRequest
 from .manager import BlockCopy, BlockManager, BlockTableDelta
 
 MIN_NAMESPACE_BYTES, MAX_NAMESPACE_BYTES = 8, 64
 MAX_TOKEN_ID = 2**31 - 1
 
 
-class InvalidStep(ValueError):
+class InvalidStep(InvalidRequest):
     """A malformed or inconsistent op: nothing in the step was applied."""
 
 

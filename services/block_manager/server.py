@@ -1,0 +1,116 @@
+"""The block-manager sidecar: the pure core behind gRPC. One Step call per scheduler step.
+
+The core is synchronous and every handler runs to completion without awaiting, so each Step is atomic
+with respect to every other call on the event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import grpc.aio
+
+from ...protos import block_manager_pb2 as pb
+from ...protos import block_manager_pb2_grpc as pb_grpc
+from ..common.grpc_server import GrpcService, run, serve_until_signalled
+from .manager import BlockCopy, BlockManager
+from .stats import BlockStats
+from .step import (
+    CommitOp,
+    CreateOp,
+    ForkOp,
+    FreeOp,
+    InvalidStep,
+    Op,
+    OpOutcome,
+    ReserveOp,
+    SwapInOp,
+    SwapOutOp,
+    apply_step,
+)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
+
+
+def op_from_proto(index: int, op: pb.Op) -> Op:
+    kind = op.WhichOneof("kind")
+    if kind == "reserve":
+        r = op.reserve
+        return ReserveOp(r.seq_id, r.num_tokens, r.append_token_ids, r.admission)
+    if kind == "commit":
+        return CommitOp(op.commit.seq_id, op.commit.num_computed_tokens)
+    if kind == "create":
+        return CreateOp(op.create.seq_id, op.create.token_ids, op.create.cache_namespace)
+    if kind == "free":
+        return FreeOp(op.free.seq_id)
+    if kind == "fork":
+        return ForkOp(op.fork.parent_seq_id, op.fork.child_seq_id)
+    if kind == "swap_out":
+        return SwapOutOp(op.swap_out.seq_ids)
+    if kind == "swap_in":
+        return SwapInOp(op.swap_in.seq_ids)
+    raise InvalidStep(f"ops[{index}]: no operation set")
+
+
+def _copies(copies: list[BlockCopy]) -> list[pb.BlockCopy]:
+    return [pb.BlockCopy(src=c.src, dst=c.dst, num_slots=c.num_slots) for c in copies]
+
+
+def outcome_to_proto(outcome: OpOutcome) -> pb.OpResult:
+    if not outcome.granted:
+        return pb.OpResult(status=pb.REFUSED, reason=outcome.reason)
+    result = pb.OpResult(
+        status=pb.GRANTED, slot_mapping=outcome.slot_mapping, num_cached_tokens=outcome.num_cached_tokens
+    )
+    for delta in outcome.deltas:
+        result.deltas.add(seq_id=delta.seq_id, keep=delta.keep, append=delta.append)
+    if outcome.copies:
+        result.copies.extend(_copies(outcome.copies))
+    if outcome.swap_out:
+        result.swap_out.extend(_copies(outcome.swap_out))
+    if outcome.swap_in:
+        result.swap_in.extend(_copies(outcome.swap_in))
+    return result
+
+
+def stats_to_proto(stats: BlockStats) -> pb.Stats:
+    return pb.Stats(**dataclasses.asdict(stats))
+
+
+class BlockManagerServicer(pb_grpc.BlockManagerServicer):
+    def __init__(self, manager: BlockManager) -> None:
+        self.manager = manager
+
+    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+        ops = [op_from_proto(i, op) for i, op in enumerate(request.ops)]
+        outcomes = apply_step(self.manager, ops)
+        return pb.StepResponse(
+            results=[outcome_to_proto(o) for o in outcomes], stats=stats_to_proto(self.manager.stats())
+        )
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        return pb.StatsResponse(stats=stats_to_proto(self.manager.stats()))
+
+    async def Reset(self, request: pb.ResetRequest, context: grpc.aio.ServicerContext) -> pb.ResetResponse:
+        self.manager.reset()
+        return pb.ResetResponse(stats=stats_to_proto(self.manager.stats()))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default="127.0.0.1:50061", help="unix:PATH or HOST:PORT")
+    parser.add_argument("--num-blocks", type=int, required=True, help="device KV blocks")
+    parser.add_argument("--block-size", type=int, default=16, help="token slots per block")
+    parser.add_argument("--cpu-blocks", type=int, default=0, help="CPU swap pool size in blocks")
+    parser.add_argument("--watermark", type=float, default=0.01, help="share of blocks kept for running sequences")
+
+
+async def serve(args: argparse.Namespace) -> None:
+    manager = BlockManager(args.num_blocks, args.block_size, args.cpu_blocks, args.watermark)
+    service = GrpcService(args.listen, [SERVICE_NAME])
+    pb_grpc.add_BlockManagerServicer_to_server(BlockManagerServicer(manager), service.server)
+    await serve_until_signalled(service)
+
+
+def main(args: argparse.Namespace) -> None:
+    run(serve(args))

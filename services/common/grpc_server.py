@@ -1,0 +1,148 @@
+"""The gRPC server scaffold every service uses: error mapping, health, reflection, graceful stop.
+
+As in KServe's server: a domain error becomes the right status code (bad input -> INVALID_ARGUMENT, out
+of capacity -> RESOURCE_EXHAUSTED, not ready -> UNAVAILABLE); anything else is logged and answered
+INTERNAL with a generic message, so internals never leak to clients and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from typing import Any
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .errors import InvalidRequest, NotReady, OutOfCapacity
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, OutOfCapacity):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, NotReady):
+        return grpc.StatusCode.UNAVAILABLE, str(exc) or "not ready"
+    return grpc.StatusCode.INTERNAL, "internal error"
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("unhandled error in %s", method, exc_info=exc)
+    await context.abort(code, message)
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method = details.method
+        if handler is None:
+            return handler
+        if handler.unary_unary is not None:
+            inner_unary = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await inner_unary(request, context)
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:
+                    await _abort(context, exc, method)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    async for response in inner_stream(request, context):
+                        yield response
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:
+                    await _abort(context, exc, method)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+class GrpcService:
+    """A grpc.aio server with health (NOT_SERVING until `mark_serving`) and reflection."""
+
+    def __init__(self, listen: str, service_names: Iterable[str]) -> None:
+        self.listen = listen
+        self.service_names = list(service_names)
+        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server,
+        )
+        self.port = 0
+
+    async def start(self) -> None:
+        self.port = self.server.add_insecure_port(self.listen)
+        if self.port == 0 and not self.listen.startswith("unix:"):
+            raise OSError(f"cannot listen on {self.listen}")
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+
+    async def mark_serving(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def _set_health(self, status: int) -> None:
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+async def serve_until_signalled(service: GrpcService, warm_up: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Starts, warms up, reports SERVING, and stops gracefully on SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    if warm_up is not None:
+        await warm_up()
+    await service.mark_serving()
+    log.info("serving %s on %s", ", ".join(service.service_names), service.listen)
+    print(f"listening on {service.listen} (port {service.port})", flush=True)
+    await stop.wait()
+    log.info("stopping")
+    await service.stop()
+
+
+def run(main: Coroutine[Any, Any, None]) -> None:
+    """Runs a service's main coroutine on uvloop."""
+    import uvloop
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvloop.run(main)

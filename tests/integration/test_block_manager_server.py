@@ -1,0 +1,136 @@
+"""A real `pagedserve block-manager` process driven over real gRPC on loopback."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from conftest import pagedserve_process
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pagedserve.protos import block_manager_pb2 as pb
+from pagedserve.protos import block_manager_pb2_grpc as pb_grpc
+
+NS = b"namespace-digest"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    with pagedserve_process("block-manager", "--num-blocks", "8", "--block-size", "4", "--cpu-blocks", "4") as p:
+        yield p
+
+
+@pytest.fixture
+def stub(server: tuple[subprocess.Popen[str], str]) -> Iterator[pb_grpc.BlockManagerStub]:
+    with grpc.insecure_channel(server[1]) as channel:
+        stub = pb_grpc.BlockManagerStub(channel)
+        stub.Reset(pb.ResetRequest())
+        yield stub
+
+
+def create(seq_id: int, tokens: list[int], ns: bytes = NS) -> pb.Op:
+    return pb.Op(create=pb.Create(seq_id=seq_id, token_ids=tokens, cache_namespace=ns))
+
+
+def reserve(seq_id: int, n: int, append: list[int] | None = None, admission: bool = False) -> pb.Op:
+    return pb.Op(reserve=pb.Reserve(seq_id=seq_id, num_tokens=n, append_token_ids=append or [], admission=admission))
+
+
+def commit(seq_id: int, n: int) -> pb.Op:
+    return pb.Op(commit=pb.Commit(seq_id=seq_id, num_computed_tokens=n))
+
+
+def test_batched_steps_prefill_decode_fork_cow_swap_free(stub: pb_grpc.BlockManagerStub) -> None:
+    r = stub.Step(pb.StepRequest(ops=[create(1, [1, 2, 3, 4, 5, 6]), reserve(1, 6, admission=True)]))
+    assert [x.status for x in r.results] == [pb.GRANTED, pb.GRANTED]
+    assert list(r.results[1].slot_mapping) == [0, 1, 2, 3, 4, 5]
+    assert [(d.seq_id, d.keep, list(d.append)) for d in r.results[1].deltas] == [(1, 0, [0, 1])]
+    assert r.stats.num_used_blocks == 2 and r.stats.num_free_blocks == 6
+
+    # a decode step for the parent plus a fork whose first write copies the shared tail
+    r = stub.Step(pb.StepRequest(ops=[
+        commit(1, 6),
+        pb.Op(fork=pb.Fork(parent_seq_id=1, child_seq_id=2)),
+        reserve(2, 1, [42]),
+        reserve(1, 1, [7]),
+    ]))
+    assert all(x.status == pb.GRANTED for x in r.results)
+    cow = r.results[2]
+    assert [(c.src, c.dst, c.num_slots) for c in cow.copies] == [(1, 2, 2)]
+    assert list(cow.slot_mapping) == [10] and list(r.results[3].slot_mapping) == [6]
+    assert r.stats.num_cow_copies == 1
+
+    # a second prompt with the same first block hits the prefix cache
+    r = stub.Step(pb.StepRequest(ops=[create(3, [1, 2, 3, 4, 9]), reserve(3, 1, admission=True)]))
+    assert r.results[0].num_cached_tokens == 4 and list(r.results[0].deltas[0].append) == [0]
+
+    r = stub.Step(pb.StepRequest(ops=[pb.Op(swap_out=pb.SwapOut(seq_ids=[1, 2]))]))
+    assert r.results[0].status == pb.GRANTED and len(r.results[0].swap_out) == 3
+    r = stub.Step(pb.StepRequest(ops=[pb.Op(swap_in=pb.SwapIn(seq_ids=[1, 2]))]))
+    assert r.results[0].status == pb.GRANTED and r.stats.num_swapped_sequences == 0
+
+    r = stub.Step(pb.StepRequest(ops=[pb.Op(free=pb.Free(seq_id=s)) for s in (1, 2, 3)]))
+    assert r.stats.num_used_blocks == 0 and r.stats.num_sequences == 0 and r.stats.num_cached_blocks == 1
+
+
+def test_refusal_is_per_op_and_later_ops_on_that_sequence_are_skipped(stub: pb_grpc.BlockManagerStub) -> None:
+    r = stub.Step(pb.StepRequest(ops=[
+        create(1, list(range(40))),
+        reserve(1, 40),  # 10 blocks of 4: more than the 8 the server has
+        commit(1, 0),
+        create(2, [1, 2]),
+        reserve(2, 2),
+    ]))
+    statuses = [x.status for x in r.results]
+    assert statuses == [pb.GRANTED, pb.REFUSED, pb.REFUSED, pb.GRANTED, pb.GRANTED]
+    assert "needs 10 free blocks, 8 free" in r.results[1].reason
+    assert "earlier op on sequence 1" in r.results[2].reason
+    assert r.stats.num_used_blocks == 1
+
+
+BAD_STEPS = [
+    ([pb.Op()], "ops[0]: no operation set"),
+    ([reserve(99, 1)], "ops[0].reserve.seq_id: unknown sequence 99"),
+    ([create(1, [])], "ops[0].create.token_ids: must not be empty"),
+    ([create(1, [-5])], "ops[0].create.token_ids: token id -5"),
+    ([create(1, [1], ns=b"short")], "ops[0].create.cache_namespace"),
+    ([create(1, [1]), create(1, [2])], "ops[1].create.seq_id: sequence 1 already exists"),
+    ([create(1, [1, 2]), reserve(1, 3)], "ops[1].reserve.num_tokens"),
+    ([create(1, [1, 2]), reserve(1, 1), commit(1, 2)], "ops[2].commit.num_computed_tokens"),
+    ([create(1, [1]), pb.Op(free=pb.Free(seq_id=1)), pb.Op(free=pb.Free(seq_id=1))], "ops[2].free.seq_id"),
+    ([create(1, [1]), pb.Op(swap_in=pb.SwapIn(seq_ids=[1]))], "is not swapped out"),
+    ([create(1, [1]), pb.Op(swap_out=pb.SwapOut(seq_ids=[1, 1]))], "non-empty and distinct"),
+    ([pb.Op(fork=pb.Fork(parent_seq_id=5, child_seq_id=6))], "ops[0].fork.parent_seq_id"),
+]
+
+
+@pytest.mark.parametrize(("ops", "message"), BAD_STEPS)
+def test_bad_input_is_invalid_argument_and_changes_nothing(
+    stub: pb_grpc.BlockManagerStub, ops: list[pb.Op], message: str
+) -> None:
+    before = stub.Stats(pb.StatsRequest()).stats
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Step(pb.StepRequest(ops=ops))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details()
+    assert stub.Stats(pb.StatsRequest()).stats == before  # nothing applied; the server keeps serving
+
+
+def test_health_and_reflection(server: tuple[subprocess.Popen[str], str]) -> None:
+    with grpc.insecure_channel(server[1]) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for s in next(responses).list_services_response.service}
+        assert "pagedserve.block_manager.v1.BlockManager" in names and "grpc.health.v1.Health" in names
+
+
+def test_sigterm_stops_gracefully() -> None:
+    with pagedserve_process("block-manager", "--num-blocks", "4") as (proc, _):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
