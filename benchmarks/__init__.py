@@ -1,1 +1,1 @@
-
+"""Benchmarks: each prints one JSON object as the last line of stdout."""

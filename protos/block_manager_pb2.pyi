@@ -71,6 +71,7 @@ class Op(_message.Message):
     FREE_FIELD_NUMBER: _builtins.int
     SWAP_OUT_FIELD_NUMBER: _builtins.int
     SWAP_IN_FIELD_NUMBER: _builtins.int
+    DECODE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def create(self) -> Global___Create: ...
     @_builtins.property
@@ -85,6 +86,8 @@ class Op(_message.Message):
     def swap_out(self) -> Global___SwapOut: ...
     @_builtins.property
     def swap_in(self) -> Global___SwapIn: ...
+    @_builtins.property
+    def decode(self) -> Global___Decode: ...
     def __init__(
         self,
         *,
@@ -95,12 +98,13 @@ class Op(_message.Message):
         free: Global___Free | None = ...,
         swap_out: Global___SwapOut | None = ...,
         swap_in: Global___SwapIn | None = ...,
+        decode: Global___Decode | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "create", b"create", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "create", b"create", "decode", b"decode", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "create", b"create", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "create", b"create", "decode", b"decode", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["create", "fork", "reserve", "commit", "free", "swap_out", "swap_in"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["create", "fork", "reserve", "commit", "free", "swap_out", "swap_in", "decode"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -279,6 +283,35 @@ class SwapIn(_message.Message):
 Global___SwapIn: _TypeAlias = SwapIn  # noqa: Y015
 
 @_typing.final
+class Decode(_message.Message):
+    """The decode fast path, one entry per running sequence: the previous step's tokens are stored (commit
+    every reserved slot), then append token_ids[i] and reserve its slot. The commit always applies; a
+    sequence that cannot get a block is listed in refused_seq_ids and otherwise unchanged.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_IDS_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        seq_ids: _abc.Iterable[_builtins.int] | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seq_ids", b"seq_ids", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Decode: _TypeAlias = Decode  # noqa: Y015
+
+@_typing.final
 class StepResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -372,6 +405,7 @@ class OpResult(_message.Message):
     SWAP_OUT_FIELD_NUMBER: _builtins.int
     SWAP_IN_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    REFUSED_SEQ_IDS_FIELD_NUMBER: _builtins.int
     status: Global___OpStatus.ValueType
     reason: _builtins.str
     """why REFUSED"""
@@ -383,11 +417,11 @@ class OpResult(_message.Message):
 
     @_builtins.property
     def slot_mapping(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Reserve: one slot per reserved token"""
+        """Reserve: one slot per reserved token; Decode: one per granted sequence"""
 
     @_builtins.property
     def copies(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockCopy]:
-        """Reserve: copy-on-write, device -> device, before the forward pass"""
+        """Reserve, Decode: copy-on-write, device -> device, before the forward pass"""
 
     @_builtins.property
     def swap_out(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockCopy]:
@@ -396,6 +430,10 @@ class OpResult(_message.Message):
     @_builtins.property
     def swap_in(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockCopy]:
         """SwapIn: cpu src -> device dst"""
+
+    @_builtins.property
+    def refused_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Decode: sequences that got no slot (slot_mapping skips them)"""
 
     def __init__(
         self,
@@ -408,10 +446,11 @@ class OpResult(_message.Message):
         swap_out: _abc.Iterable[Global___BlockCopy] | None = ...,
         swap_in: _abc.Iterable[Global___BlockCopy] | None = ...,
         num_cached_tokens: _builtins.int = ...,
+        refused_seq_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copies", b"copies", "deltas", b"deltas", "num_cached_tokens", b"num_cached_tokens", "reason", b"reason", "slot_mapping", b"slot_mapping", "status", b"status", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copies", b"copies", "deltas", b"deltas", "num_cached_tokens", b"num_cached_tokens", "reason", b"reason", "refused_seq_ids", b"refused_seq_ids", "slot_mapping", b"slot_mapping", "status", b"status", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -43,6 +43,13 @@ class Reservation(NamedTuple):
     delta: BlockTableDelta | None  # None when the table did not change
 
 
+class DecodeResult(NamedTuple):
+    slot_mapping: list[int]  # one per granted sequence, in order
+    copies: list[BlockCopy]
+    deltas: list[BlockTableDelta]
+    refused_seq_ids: list[int]
+
+
 class SwapResult(NamedTuple):
     granted: bool
     copies: list[BlockCopy]  # swap out: device -> cpu ids; swap in: cpu -> device ids
@@ -176,6 +183,50 @@ class BlockManager:
         if self.num_blocks_to_reserve(seq, num_tokens) > self._budget(admission):
             return REFUSED_RESERVATION
         seq.token_ids.extend(append_token_ids)
+        return self._grow(seq, num_tokens)
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> DecodeResult:
+        """The fast path of a decode step: per sequence, commit(num_slots) then reserve(1, [token]).
+        The commit always applies; a sequence whose reservation is refused is listed and unchanged.
+        Written out inline (no per-sequence result objects): it runs for every running sequence every step."""
+        if len(seq_ids) != len(token_ids):
+            raise ValueError(f"decode: {len(seq_ids)} sequences but {len(token_ids)} tokens")
+        pool, bs, seqs = self.pool, self.block_size, self.seqs
+        result = DecodeResult([], [], [], [])
+        for seq_id, token in zip(seq_ids, token_ids, strict=True):
+            seq = seqs.get(seq_id)
+            if seq is None or seq.cpu_table is not None:
+                raise ValueError(f"decode: sequence {seq_id} is unknown or swapped out")
+            num_slots, table = seq.num_slots, seq.block_table
+            if seq.num_computed != num_slots:
+                seq.num_computed = num_slots
+                if num_slots // bs > len(seq.block_hashes):
+                    self._register_full_blocks(seq)
+            offset = num_slots % bs
+            if offset == 0 or table[-1].ref_count > 1:  # a new tail block, or a copy of a shared one
+                if pool.num_free_blocks == 0:
+                    result.refused_seq_ids.append(seq_id)
+                    continue
+                block = pool.allocate()
+                if offset:
+                    shared = table.pop()
+                    result.copies.append(BlockCopy(shared.block_id, block.block_id, offset))
+                    pool.fill(block, offset)
+                    pool.release(shared)
+                    self.num_cow_copies += 1
+                table.append(block)
+                result.deltas.append(BlockTableDelta(seq_id, len(table) - 1, (block.block_id,)))
+            else:
+                block = table[-1]
+            seq.token_ids.append(token)
+            seq.num_slots = num_slots + 1
+            if offset + 1 > block.num_filled:
+                pool.fill(block, offset + 1)
+            result.slot_mapping.append(block.block_id * bs + offset)
+        return result
+
+    def _grow(self, seq: SequenceState, num_tokens: int) -> Reservation:
+        """Reserves slots for the next num_tokens known tokens; the caller has checked the budget."""
         bs, table = self.block_size, seq.block_table
         keep = len(table)
         copies: list[BlockCopy] = []
@@ -197,7 +248,7 @@ class BlockManager:
         seq.num_slots = end
         delta = None
         if keep != len(table):
-            delta = BlockTableDelta(seq_id, keep, tuple(b.block_id for b in table[keep:]))
+            delta = BlockTableDelta(seq.seq_id, keep, tuple(b.block_id for b in table[keep:]))
         return Reservation(True, slot_mapping, copies, delta)
 
     def commit(self, seq_id: int, num_computed_tokens: int) -> None:

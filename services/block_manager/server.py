@@ -7,7 +7,6 @@ with respect to every other call on the event loop.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import grpc.aio
 
@@ -19,6 +18,7 @@ from .stats import BlockStats
 from .step import (
     CommitOp,
     CreateOp,
+    DecodeOp,
     ForkOp,
     FreeOp,
     InvalidStep,
@@ -38,6 +38,8 @@ def op_from_proto(index: int, op: pb.Op) -> Op:
     if kind == "reserve":
         r = op.reserve
         return ReserveOp(r.seq_id, r.num_tokens, r.append_token_ids, r.admission)
+    if kind == "decode":
+        return DecodeOp(list(op.decode.seq_ids), list(op.decode.token_ids))
     if kind == "commit":
         return CommitOp(op.commit.seq_id, op.commit.num_computed_tokens)
     if kind == "create":
@@ -69,13 +71,15 @@ def outcome_to_proto(outcome: OpOutcome) -> pb.OpResult:
         result.copies.extend(_copies(outcome.copies))
     if outcome.swap_out:
         result.swap_out.extend(_copies(outcome.swap_out))
+    if outcome.refused_seq_ids:
+        result.refused_seq_ids.extend(outcome.refused_seq_ids)
     if outcome.swap_in:
         result.swap_in.extend(_copies(outcome.swap_in))
     return result
 
 
 def stats_to_proto(stats: BlockStats) -> pb.Stats:
-    return pb.Stats(**dataclasses.asdict(stats))
+    return pb.Stats(**vars(stats))
 
 
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):

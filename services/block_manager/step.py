@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..common.errors import InvalidRequest
 from .manager import BlockCopy, BlockManager, BlockTableDelta
@@ -22,49 +23,47 @@ class InvalidStep(InvalidRequest):
     """A malformed or inconsistent op: nothing in the step was applied."""
 
 
-@dataclass(frozen=True)
-class CreateOp:
+class CreateOp(NamedTuple):
     seq_id: int
     token_ids: Sequence[int]
     cache_namespace: bytes
 
 
-@dataclass(frozen=True)
-class ForkOp:
+class ForkOp(NamedTuple):
     parent_seq_id: int
     child_seq_id: int
 
 
-@dataclass(frozen=True)
-class ReserveOp:
+class ReserveOp(NamedTuple):
     seq_id: int
     num_tokens: int
     append_token_ids: Sequence[int] = ()
     admission: bool = False
 
 
-@dataclass(frozen=True)
-class CommitOp:
+class CommitOp(NamedTuple):
     seq_id: int
     num_computed_tokens: int
 
 
-@dataclass(frozen=True)
-class FreeOp:
+class FreeOp(NamedTuple):
     seq_id: int
 
 
-@dataclass(frozen=True)
-class SwapOutOp:
+class SwapOutOp(NamedTuple):
     seq_ids: Sequence[int]
 
 
-@dataclass(frozen=True)
-class SwapInOp:
+class SwapInOp(NamedTuple):
     seq_ids: Sequence[int]
 
 
-Op = CreateOp | ForkOp | ReserveOp | CommitOp | FreeOp | SwapOutOp | SwapInOp
+class DecodeOp(NamedTuple):
+    seq_ids: Sequence[int]
+    token_ids: Sequence[int]
+
+
+Op = CreateOp | ForkOp | ReserveOp | CommitOp | FreeOp | SwapOutOp | SwapInOp | DecodeOp
 
 
 @dataclass
@@ -77,9 +76,10 @@ class OpOutcome:
     swap_out: list[BlockCopy] = field(default_factory=list)  # device -> cpu
     swap_in: list[BlockCopy] = field(default_factory=list)  # cpu -> device
     num_cached_tokens: int = 0
+    refused_seq_ids: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Shadow:
     swapped: bool
     num_known: int
@@ -93,14 +93,35 @@ class _Validator:
     def __init__(self, manager: BlockManager) -> None:
         self.manager = manager
         self.shadows: dict[int, _Shadow | None] = {}  # None: does not exist at this point of the step
+        # Sequences whose only op so far is one decode: tracked without a shadow, since a step decodes
+        # every running sequence and most are touched by nothing else.
+        self.decoded_once: set[int] = set()
 
     def shadow(self, seq_id: int) -> _Shadow | None:
         if seq_id not in self.shadows:
             seq = self.manager.seqs.get(seq_id)
-            self.shadows[seq_id] = (
-                None if seq is None else _Shadow(seq.is_swapped, len(seq.token_ids), seq.num_slots, seq.num_computed)
-            )
+            shadow = None
+            if seq is not None:
+                shadow = _Shadow(seq.is_swapped, len(seq.token_ids), seq.num_slots, seq.num_computed)
+            if shadow is not None and seq_id in self.decoded_once:
+                self.decoded_once.discard(seq_id)
+                shadow.num_computed = shadow.num_slots
+                shadow.num_known += 1
+                shadow.num_slots += 1
+            self.shadows[seq_id] = shadow
         return self.shadows[seq_id]
+
+    def decode(self, seq_id: int, where: str) -> None:
+        if seq_id in self.shadows or seq_id in self.decoded_once:
+            seq = self.existing(seq_id, where)
+            seq.num_computed = seq.num_slots
+            seq.num_known += 1
+            seq.num_slots += 1
+            return
+        state = self.manager.seqs.get(seq_id)
+        if state is None or state.cpu_table is not None:
+            self.existing(seq_id, where)  # raises the precise error
+        self.decoded_once.add(seq_id)
 
     def existing(self, seq_id: int, where: str, resident: bool | None = True) -> _Shadow:
         shadow = self.shadow(seq_id)
@@ -153,6 +174,15 @@ class _Validator:
             case FreeOp():
                 self.existing(op.seq_id, f"{at}.free.seq_id", resident=None)
                 self.shadows[op.seq_id] = None
+            case DecodeOp():
+                if len(op.seq_ids) != len(op.token_ids) or len(set(op.seq_ids)) != len(op.seq_ids):
+                    raise InvalidStep(
+                        f"{at}.decode: seq_ids must be distinct and match token_ids one to one"
+                        f" ({len(op.seq_ids)} seq_ids, {len(op.token_ids)} token_ids)"
+                    )
+                _check_token_ids(op.token_ids, f"{at}.decode.token_ids")
+                for seq_id in op.seq_ids:
+                    self.decode(seq_id, f"{at}.decode.seq_ids")
             case SwapOutOp() | SwapInOp():
                 name = "swap_out" if isinstance(op, SwapOutOp) else "swap_in"
                 if not op.seq_ids or len(set(op.seq_ids)) != len(op.seq_ids):
@@ -184,6 +214,12 @@ def _apply(manager: BlockManager, op: Op, refused: set[int]) -> OpOutcome:
         if op.seq_id in manager.seqs:
             manager.free(op.seq_id)
         return OpOutcome()
+    if isinstance(op, DecodeOp) and refused:  # decode the others; the blocked ones count as refused
+        keep = [i for i, seq_id in enumerate(op.seq_ids) if seq_id not in refused]
+        skipped = [seq_id for seq_id in op.seq_ids if seq_id in refused]
+        outcome = _apply(manager, DecodeOp([op.seq_ids[i] for i in keep], [op.token_ids[i] for i in keep]), refused)
+        outcome.refused_seq_ids = skipped + outcome.refused_seq_ids
+        return outcome
     subjects = _subjects(op)
     blocked = refused.intersection(subjects)
     if blocked:
@@ -210,6 +246,13 @@ def _apply(manager: BlockManager, op: Op, refused: set[int]) -> OpOutcome:
         case CommitOp():
             manager.commit(op.seq_id, op.num_computed_tokens)
             return OpOutcome()
+        case DecodeOp():
+            decoded = manager.decode(op.seq_ids, op.token_ids)
+            refused.update(decoded.refused_seq_ids)
+            return OpOutcome(
+                deltas=decoded.deltas, slot_mapping=decoded.slot_mapping, copies=decoded.copies,
+                refused_seq_ids=decoded.refused_seq_ids,
+            )
         case SwapOutOp():
             result = manager.swap_out(op.seq_ids)
             if not result.granted:
@@ -229,7 +272,7 @@ def _subjects(op: Op) -> tuple[int, ...]:
     match op:
         case ForkOp():
             return (op.parent_seq_id, op.child_seq_id)
-        case SwapOutOp() | SwapInOp():
+        case SwapOutOp() | SwapInOp() | DecodeOp():
             return tuple(op.seq_ids)
         case _:
             return (op.seq_id,)

@@ -48,45 +48,56 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self) -> None:
+        # method -> (handler, its wrapper): wrapping once per method keeps the per-call cost to a lookup
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        method = details.method
         if handler is None:
             return handler
-        if handler.unary_unary is not None:
-            inner_unary = handler.unary_unary
+        cached = self._wrapped.get(details.method)
+        if cached is None or cached[0] is not handler:
+            cached = (handler, _wrap(handler, details.method))
+            self._wrapped[details.method] = cached
+        return cached[1]
 
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
-                    return await inner_unary(request, context)
-                except (grpc.aio.AbortError, asyncio.CancelledError):
-                    raise
-                except Exception as exc:
-                    await _abort(context, exc, method)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
-            )
-        if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
+def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    if handler.unary_unary is not None:
+        inner_unary = handler.unary_unary
 
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                try:
-                    async for response in inner_stream(request, context):
-                        yield response
-                except (grpc.aio.AbortError, asyncio.CancelledError):
-                    raise
-                except Exception as exc:
-                    await _abort(context, exc, method)
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await inner_unary(request, context)
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                await _abort(context, exc, method)
 
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer
-            )
-        return handler
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, handler.request_deserializer, handler.response_serializer
+        )
+    if handler.unary_stream is not None:
+        inner_stream = handler.unary_stream
+
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for response in inner_stream(request, context):
+                    yield response
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                await _abort(context, exc, method)
+
+        return grpc.unary_stream_rpc_method_handler(
+            unary_stream, handler.request_deserializer, handler.response_serializer
+        )
+    return handler
 
 
 class GrpcService:
