@@ -92,7 +92,22 @@ def test_refusal_is_per_op_and_later_ops_on_that_sequence_are_skipped(stub: pb_g
     assert r.stats.num_used_blocks == 1
 
 
+def test_decode_op_batches_a_whole_step(stub: pb_grpc.BlockManagerStub) -> None:
+    ops = [create(1, [1, 2, 3, 4]), reserve(1, 4), create(2, [5, 6, 7]), reserve(2, 3)]
+    stub.Step(pb.StepRequest(ops=ops))
+    decode = pb.Op(decode=pb.Decode(seq_ids=[1, 2], token_ids=[9, 9]))
+    r = stub.Step(pb.StepRequest(ops=[decode])).results[0]
+    assert r.status == pb.GRANTED and list(r.slot_mapping) == [8, 7] and list(r.refused_seq_ids) == []
+    assert [(d.seq_id, d.keep, list(d.append)) for d in r.deltas] == [(1, 1, [2])]
+    # fill the cache, then decode again: seq 1 has room in its tail, seq 2's is full and it is refused
+    stub.Step(pb.StepRequest(ops=[create(3, [1] * 20), reserve(3, 20)]))
+    r = stub.Step(pb.StepRequest(ops=[pb.Op(decode=pb.Decode(seq_ids=[1, 2], token_ids=[7, 7]))])).results[0]
+    assert list(r.refused_seq_ids) == [2] and list(r.slot_mapping) == [9]
+
+
 BAD_STEPS = [
+    ([pb.Op(decode=pb.Decode(seq_ids=[1, 2], token_ids=[3]))], "ops[0].decode: seq_ids must be distinct"),
+    ([pb.Op(decode=pb.Decode(seq_ids=[77], token_ids=[3]))], "ops[0].decode.seq_ids: unknown sequence 77"),
     ([pb.Op()], "ops[0]: no operation set"),
     ([reserve(99, 1)], "ops[0].reserve.seq_id: unknown sequence 99"),
     ([create(1, [])], "ops[0].create.token_ids: must not be empty"),

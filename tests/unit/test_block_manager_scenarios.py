@@ -190,3 +190,38 @@ def test_reset_forgets_everything() -> None:
     assert m.stats().num_free_blocks == 4 and not m.seqs and not m.pool.cached
     assert m.create(2, [1, 2, 3], NS_A).num_cached_tokens == 0
     m.check_integrity()
+
+
+def test_decode_fast_path_equals_commit_plus_reserve() -> None:
+    fast, slow = BlockManager(num_blocks=16, block_size=4), BlockManager(num_blocks=16, block_size=4)
+    for m in (fast, slow):
+        fill(m, 1, [1, 2, 3, 4, 5, 6, 7])
+        fill(m, 2, [1, 2, 3])
+        m.fork(2, 3)  # 2 and 3 share a partial tail: the first decode copies it
+    for step in range(6):
+        tokens = [10 + step, 20 + step, 30 + step]
+        result = fast.decode([1, 2, 3], tokens)
+        slots, copies, deltas = [], [], []
+        for seq_id, token in zip([1, 2, 3], tokens, strict=True):
+            slow.commit(seq_id, slow.seqs[seq_id].num_slots)
+            r = slow.reserve(seq_id, 1, [token])
+            slots += r.slot_mapping
+            copies += r.copies
+            deltas += [r.delta] if r.delta else []
+        assert (result.slot_mapping, result.copies, result.deltas, result.refused_seq_ids) == (slots, copies, deltas, [])
+        fast.check_integrity()
+    assert fast.stats() == slow.stats()
+    assert all(fast.seqs[i].token_ids == slow.seqs[i].token_ids for i in (1, 2, 3))
+
+
+def test_decode_refuses_only_the_sequences_without_a_block() -> None:
+    m = BlockManager(num_blocks=3, block_size=2)
+    fill(m, 1, [1, 2])  # full tail: needs a new block to decode
+    fill(m, 2, [3])  # room in its tail
+    result = m.decode([1, 2], [7, 8])
+    assert result.refused_seq_ids == [] and m.stats().num_free_blocks == 0
+    result = m.decode([1, 2], [5, 6])  # seq 1 writes into its new tail; seq 2's tail is full and no block is free
+    assert result.refused_seq_ids == [2] and result.slot_mapping == [5]
+    seq = m.seqs[2]
+    assert seq.num_computed == seq.num_slots == 2 and seq.token_ids == [3, 8]  # the commit applied, nothing else
+    m.check_integrity()

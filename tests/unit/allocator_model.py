@@ -1,0 +1,353 @@
+"""A brute-force reference model of the KV block allocator, and a simulated KV cache, for the stateful test.
+
+Written from docs (design.md, "Block life cycle and cache identity") and the BlockManager contract, not from
+the implementation. The model never hashes: a full block's identity is (namespace, every token up to the
+block's end), which is exactly what the chained key H(parent, tokens) stands for. Reference counts are
+recounted from the block tables each time. The manager chooses block ids; the model only checks that each
+choice is legal (the least recently useful free blocks, in LRU order) and then follows the returned deltas.
+
+The simulated KV of the token at position p is (namespace, token_ids[:p + 1]): what a real KV entry depends
+on. So reading a sequence's table back also proves that a shared or cached block holds the same prefix, in
+the same namespace, as the reader's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from pagedserve.services.block_manager.manager import BlockCopy, BlockTableDelta
+
+Key = tuple[bytes, tuple[int, ...]]  # (namespace, every token up to the end of the block)
+KV = tuple[bytes, tuple[int, ...]] | None  # what one slot holds; None: never written or stale
+
+
+class Effects(NamedTuple):
+    """What the executor must do for one op."""
+
+    allocated: list[int]  # device blocks handed out: stale until copied into or written
+    copies: list[tuple[str, BlockCopy]]  # ("cow" | "swap_out" | "swap_in", copy)
+    writes: list[tuple[int, KV]]  # (slot, kv) for every reserved slot
+
+
+NO_EFFECTS = Effects([], [], [])
+
+
+@dataclass
+class ModelSeq:
+    namespace: bytes
+    token_ids: list[int]
+    num_slots: int = 0
+    num_computed: int = 0
+    table: list[int] = field(default_factory=list)  # device block ids, as the deltas told them
+    cpu_table: list[int] | None = None  # cpu block ids, as the swap-out copies told them
+    keys: list[Key] = field(default_factory=list)  # identities of the committed full blocks
+
+    def kv(self, position: int) -> KV:
+        return (self.namespace, tuple(self.token_ids[: position + 1]))
+
+    def filled(self, index: int, block_size: int) -> int:
+        return min(block_size, self.num_slots - index * block_size)
+
+
+class AllocatorModel:
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int, watermark: float) -> None:
+        self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
+        self.watermark = watermark
+        self.watermark_blocks = int(watermark * num_blocks)  # admission must leave this many blocks free
+        self.free_order = list(range(num_blocks))  # head: handed out next
+        self.block_key: dict[int, Key] = {}  # registered blocks (in use or free-but-cached)
+        self.cached: dict[Key, int] = {}
+        self.seqs: dict[int, ModelSeq] = {}
+        self.prefix_queries = self.prefix_hits = self.cow_copies = 0
+        self.swapped_out_blocks = self.swapped_in_blocks = self.evictions = 0
+
+    # ---- brute-force queries -------------------------------------------------------------------------
+
+    def ref_count(self, block_id: int) -> int:
+        return sum(block_id in seq.table for seq in self.seqs.values())
+
+    def cpu_ref_count(self, cpu_id: int) -> int:
+        return sum(cpu_id in (seq.cpu_table or ()) for seq in self.seqs.values())
+
+    def num_free_cpu_blocks(self) -> int:
+        return sum(self.cpu_ref_count(c) == 0 for c in range(self.num_cpu_blocks))
+
+    def resident_ids(self) -> list[int]:
+        return sorted(i for i, seq in self.seqs.items() if seq.cpu_table is None)
+
+    def swapped_ids(self) -> list[int]:
+        return sorted(i for i, seq in self.seqs.items() if seq.cpu_table is not None)
+
+    def key(self, seq: ModelSeq, index: int) -> Key:
+        return (seq.namespace, tuple(seq.token_ids[: (index + 1) * self.block_size]))
+
+    def blocks_needed(self, seq: ModelSeq, num_tokens: int) -> tuple[int, bool]:
+        """(new tail blocks, whether the write goes into a shared partial tail: copy-on-write)."""
+        bs = self.block_size
+        num_new = -(-(seq.num_slots + num_tokens) // bs) - len(seq.table)
+        cow = num_tokens > 0 and seq.num_slots % bs != 0 and self.ref_count(seq.table[-1]) > 1
+        return num_new, cow
+
+    def budget(self, admission: bool) -> int:
+        return len(self.free_order) - (self.watermark_blocks if admission else 0)
+
+    # ---- ops: each checks the manager's answer, then follows it --------------------------------------
+
+    def create(self, seq_id: int, token_ids: list[int], namespace: bytes, num_cached: int,
+               deltas: list[BlockTableDelta]) -> None:
+        assert seq_id not in self.seqs
+        seq = ModelSeq(namespace, list(token_ids))
+        for i in range((len(token_ids) - 1) // self.block_size):  # the last token is always computed
+            block_id = self.cached.get(self.key(seq, i))
+            if block_id is None:
+                break
+            seq.table.append(block_id)
+            seq.keys.append(self.key(seq, i))
+        seq.num_slots = seq.num_computed = len(seq.table) * self.block_size
+        assert num_cached == seq.num_computed, f"create {seq_id}: {num_cached} cached tokens, model {seq.num_computed}"
+        assert deltas == [BlockTableDelta(seq_id, 0, tuple(seq.table))], f"create {seq_id}: {deltas}"
+        for block_id in seq.table:
+            if block_id in self.free_order:  # a hit revives a free cached block
+                self.free_order.remove(block_id)
+        self.seqs[seq_id] = seq
+        self.prefix_queries += len(token_ids)
+        self.prefix_hits += seq.num_computed
+
+    def fork(self, parent_id: int, child_id: int, deltas: list[BlockTableDelta]) -> None:
+        parent = self.seqs[parent_id]
+        assert parent.cpu_table is None and child_id not in self.seqs
+        assert deltas == [BlockTableDelta(child_id, 0, tuple(parent.table))], f"fork {child_id}: {deltas}"
+        self.seqs[child_id] = ModelSeq(parent.namespace, list(parent.token_ids), parent.num_slots,
+                                       parent.num_computed, list(parent.table), None, list(parent.keys))
+
+    def reserve(self, seq_id: int, num_tokens: int, append: list[int], admission: bool, granted: bool,
+                slot_mapping: list[int], copies: list[BlockCopy], deltas: list[BlockTableDelta]) -> Effects:
+        seq, bs = self.seqs[seq_id], self.block_size
+        num_new, cow = self.blocks_needed(seq, num_tokens)
+        expected = num_new + cow <= self.budget(admission)
+        assert granted == expected, (
+            f"reserve {seq_id}: granted={granted}, model: needs {num_new + cow}, budget {self.budget(admission)}"
+        )
+        if not granted:
+            assert (slot_mapping, copies, deltas) == ([], [], []), "a refused reservation returned work"
+            return NO_EFFECTS
+        seq.token_ids.extend(append)
+        old, start = list(seq.table), seq.num_slots
+        keep = len(old) - cow
+        allocated: list[int] = []
+        if num_new + cow == 0:
+            assert deltas == [], f"reserve {seq_id}: table unchanged but deltas {deltas}"
+        else:
+            (delta,) = deltas
+            assert (delta.seq_id, delta.keep, len(delta.append)) == (seq_id, keep, num_new + cow), delta
+            allocated = list(delta.append)
+            self._take(allocated)
+            seq.table = old[:keep] + allocated
+        if cow:
+            assert copies == [BlockCopy(old[-1], seq.table[keep], start % bs)], f"copy-on-write {copies}"
+            self.cow_copies += 1
+            self._settle([old[-1]])
+        else:
+            assert copies == [], f"reserve {seq_id}: unexpected copies {copies}"
+        assert len(slot_mapping) == num_tokens
+        writes = []
+        for i, slot in enumerate(slot_mapping):
+            position = start + i
+            block_id = seq.table[position // bs]
+            assert slot == block_id * bs + position % bs, f"slot {slot} for position {position} of {seq.table}"
+            assert self.ref_count(block_id) == 1, f"reserve {seq_id} writes into shared block {block_id}"
+            assert block_id not in self.block_key, f"reserve {seq_id} writes into cached block {block_id}"
+            writes.append((slot, seq.kv(position)))
+        seq.num_slots = start + num_tokens
+        return Effects(allocated, [("cow", c) for c in copies], writes)
+
+    def commit(self, seq_id: int, num_computed: int) -> None:
+        seq = self.seqs[seq_id]
+        assert seq.cpu_table is None and seq.num_computed <= num_computed <= seq.num_slots
+        seq.num_computed = num_computed
+        for i in range(len(seq.keys), num_computed // self.block_size):
+            seq.keys.append(self.key(seq, i))
+            self._publish(seq.table[i], seq.keys[-1])
+
+    def free(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id)
+        self._settle(list(reversed(seq.table)))  # tail first: a prefix's head blocks are evicted last
+
+    def swap_out(self, seq_ids: list[int], granted: bool, copies: list[BlockCopy],
+                 deltas: list[BlockTableDelta]) -> Effects:
+        seqs = [self.seqs[i] for i in seq_ids]
+        filled: dict[int, int] = {}
+        for seq in seqs:
+            assert seq.cpu_table is None
+            for i, block_id in enumerate(seq.table):
+                filled[block_id] = max(filled.get(block_id, 0), seq.filled(i, self.block_size))
+        free_cpu = self.num_free_cpu_blocks()
+        assert granted == (len(filled) <= free_cpu), f"swap_out {seq_ids}: {len(filled)} blocks, {free_cpu} free"
+        if not granted:
+            assert (copies, deltas) == ([], []), "a refused swap returned work"
+            return NO_EFFECTS
+        assert sorted((c.src, c.num_slots) for c in copies) == sorted(filled.items()), f"swap-out copies {copies}"
+        dst = {c.src: c.dst for c in copies}
+        assert len(set(dst.values())) == len(dst), f"two device blocks swapped into one cpu block: {copies}"
+        assert all(self.cpu_ref_count(c) == 0 for c in dst.values()), f"swapped into a cpu block in use: {copies}"
+        assert sorted(deltas) == sorted(BlockTableDelta(i, 0, ()) for i in seq_ids), deltas
+        for seq in seqs:
+            old, seq.table, seq.cpu_table = seq.table, [], [dst[b] for b in seq.table]
+            self._settle(list(reversed(old)))
+        self.swapped_out_blocks += len(filled)
+        return Effects([], [("swap_out", c) for c in copies], [])
+
+    def swap_in(self, seq_ids: list[int], granted: bool, copies: list[BlockCopy],
+                deltas: list[BlockTableDelta]) -> Effects:
+        seqs = [self.seqs[i] for i in seq_ids]
+        filled: dict[int, int] = {}
+        for seq in seqs:
+            assert seq.cpu_table is not None
+            for i, cpu_id in enumerate(seq.cpu_table):
+                filled[cpu_id] = max(filled.get(cpu_id, 0), seq.filled(i, self.block_size))
+        budget = self.budget(admission=True)
+        assert granted == (len(filled) <= budget), f"swap_in {seq_ids}: {len(filled)} blocks, budget {budget}"
+        if not granted:
+            assert (copies, deltas) == ([], []), "a refused swap returned work"
+            return NO_EFFECTS
+        assert sorted((c.src, c.num_slots) for c in copies) == sorted(filled.items()), f"swap-in copies {copies}"
+        dst = {c.src: c.dst for c in copies}
+        self._take(list(dst.values()))
+        expected = [BlockTableDelta(i, 0, tuple(dst[c] for c in s.cpu_table or ()))
+                    for i, s in zip(seq_ids, seqs, strict=True)]
+        assert sorted(deltas) == sorted(expected), f"swap-in deltas {deltas}, model {expected}"
+        for seq in seqs:
+            seq.table, seq.cpu_table = [dst[c] for c in seq.cpu_table or ()], None
+        for seq in seqs:  # the keys are known: the new blocks rejoin the cache where no block holds them
+            for block_id, key in zip(seq.table, seq.keys, strict=False):
+                self._publish(block_id, key)
+        self.swapped_in_blocks += len(filled)
+        return Effects(list(dst.values()), [("swap_in", c) for c in copies], [])
+
+    # ---- free queue and prefix index -----------------------------------------------------------------
+
+    def _take(self, block_ids: list[int]) -> None:
+        """The manager handed these out: they must be the least recently useful free blocks."""
+        k = len(block_ids)
+        assert len(set(block_ids)) == k, f"one block handed out twice: {block_ids}"
+        assert set(block_ids) == set(self.free_order[:k]), (
+            f"handed out {sorted(block_ids)}, but the first {k} of the free queue are {self.free_order[:k]}"
+        )
+        for block_id in block_ids:
+            self.free_order.remove(block_id)
+            key = self.block_key.pop(block_id, None)
+            if key is not None:  # evicted only when handed out again
+                del self.cached[key]
+                self.evictions += 1
+
+    def _settle(self, released: list[int]) -> None:
+        """Blocks no table holds any more join the free queue: cached at the tail, the rest at the head."""
+        for block_id in released:
+            if self.ref_count(block_id) == 0 and block_id not in self.free_order:
+                if block_id in self.block_key:
+                    self.free_order.append(block_id)
+                else:
+                    self.free_order.insert(0, block_id)
+
+    def _publish(self, block_id: int, key: Key) -> None:
+        if block_id in self.block_key:
+            assert self.block_key[block_id] == key, f"block {block_id} is {self.block_key[block_id]}, not {key}"
+        elif key not in self.cached:  # first registration wins; a duplicate stays private
+            self.block_key[block_id] = key
+            self.cached[key] = block_id
+
+    # ---- self-consistency and expectations -----------------------------------------------------------
+
+    def check(self) -> None:
+        bs = self.block_size
+        free = [b for b in range(self.num_blocks) if self.ref_count(b) == 0]
+        assert sorted(self.free_order) == free and len(set(self.free_order)) == len(self.free_order)
+        assert {b: k for k, b in self.cached.items()} == self.block_key
+        for seq_id, seq in self.seqs.items():
+            table = seq.table if seq.cpu_table is None else seq.cpu_table
+            assert len(table) == -(-seq.num_slots // bs), f"seq {seq_id}: {len(table)} blocks, {seq.num_slots} slots"
+            assert len(set(table)) == len(table), f"seq {seq_id} holds a block twice: {table}"
+            assert seq.num_computed <= seq.num_slots <= len(seq.token_ids)
+            assert seq.keys == [self.key(seq, i) for i in range(seq.num_computed // bs)]
+            if seq.cpu_table is not None:
+                assert not seq.table
+                continue
+            for i, block_id in enumerate(seq.table):
+                if block_id in self.block_key:  # cache identity: a registered block holds every holder's prefix
+                    assert (i + 1) * bs <= seq.num_slots, f"seq {seq_id} may still write into cached {block_id}"
+                    assert self.block_key[block_id] == self.key(seq, i), (
+                        f"seq {seq_id} block {i} ({block_id}) is registered for another prefix or namespace"
+                    )
+
+    def expected_stats(self) -> dict[str, object]:
+        bs, used = self.block_size, self.num_blocks - len(self.free_order)
+        filled: dict[int, int] = {}
+        for seq in self.seqs.values():
+            for i, block_id in enumerate(seq.table):
+                filled[block_id] = max(filled.get(block_id, 0), seq.filled(i, bs))
+        return {
+            "block_size": bs, "num_total_blocks": self.num_blocks, "num_free_blocks": len(self.free_order),
+            "num_used_blocks": used, "num_cached_blocks": sum(b in self.block_key for b in self.free_order),
+            "num_cpu_blocks": self.num_cpu_blocks, "num_free_cpu_blocks": self.num_free_cpu_blocks(),
+            "num_sequences": len(self.seqs), "num_swapped_sequences": len(self.swapped_ids()),
+            "block_pressure": used / self.num_blocks,
+            "block_pressure_with_cached": (used + sum(b in self.block_key for b in self.free_order)) / self.num_blocks,
+            "kv_utilization": sum(filled.values()) / (used * bs) if used else 0.0,
+            "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
+            "prefix_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
+            "num_cow_copies": self.cow_copies, "num_swapped_out_blocks": self.swapped_out_blocks,
+            "num_swapped_in_blocks": self.swapped_in_blocks, "num_evictions": self.evictions,
+            "watermark": self.watermark,
+        }
+
+
+class KVCacheSim:
+    """Device and CPU KV tensors, one value per token slot, changed only as an executor would change them."""
+
+    def __init__(self, num_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.device: list[list[KV]] = [[None] * block_size for _ in range(num_blocks)]
+        self.cpu: list[list[KV]] = [[None] * block_size for _ in range(num_cpu_blocks)]
+
+    def clone(self) -> KVCacheSim:
+        other = KVCacheSim(0, 0, self.block_size)
+        other.device = [list(block) for block in self.device]
+        other.cpu = [list(block) for block in self.cpu]
+        return other
+
+    def copy(self, kind: str, c: BlockCopy) -> None:
+        src = self.cpu if kind == "swap_in" else self.device
+        dst = self.cpu if kind == "swap_out" else self.device
+        assert 0 < c.num_slots <= self.block_size, f"{kind} copy of {c.num_slots} slots"
+        dst[c.dst][: c.num_slots] = src[c.src][: c.num_slots]
+
+    def apply(self, effects: Effects) -> None:
+        """One op on its own: fresh blocks hold stale data, copies come before writes."""
+        for block_id in effects.allocated:
+            self.device[block_id] = [None] * self.block_size
+        for kind, c in effects.copies:
+            self.copy(kind, c)
+        for slot, kv in effects.writes:
+            self.device[slot // self.block_size][slot % self.block_size] = kv
+
+    def apply_step_as_executor(self, step: list[Effects]) -> None:
+        """A whole step as the executor runs it: every copy of the step, then the forward pass's writes."""
+        for effects in step:
+            for kind, c in effects.copies:
+                self.copy(kind, c)
+        for effects in step:
+            for slot, kv in effects.writes:
+                self.device[slot // self.block_size][slot % self.block_size] = kv
+
+    def mismatches(self, model: AllocatorModel) -> list[str]:
+        """Every position of every sequence whose table does not read back that sequence's own KV."""
+        bs, wrong = self.block_size, []
+        for seq_id, seq in sorted(model.seqs.items()):
+            space, table = (self.device, seq.table) if seq.cpu_table is None else (self.cpu, seq.cpu_table)
+            for p in range(seq.num_slots):
+                got = space[table[p // bs]][p % bs]
+                if got != seq.kv(p):
+                    where = "device" if seq.cpu_table is None else "cpu"
+                    wrong.append(f"seq {seq_id} position {p} ({where} block {table[p // bs]}): {got} != {seq.kv(p)}")
+        return wrong
