@@ -72,6 +72,7 @@ class Op(_message.Message):
     SWAP_OUT_FIELD_NUMBER: _builtins.int
     SWAP_IN_FIELD_NUMBER: _builtins.int
     DECODE_FIELD_NUMBER: _builtins.int
+    ADMIT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def create(self) -> Global___Create: ...
     @_builtins.property
@@ -88,6 +89,8 @@ class Op(_message.Message):
     def swap_in(self) -> Global___SwapIn: ...
     @_builtins.property
     def decode(self) -> Global___Decode: ...
+    @_builtins.property
+    def admit(self) -> Global___Admit: ...
     def __init__(
         self,
         *,
@@ -99,12 +102,13 @@ class Op(_message.Message):
         swap_out: Global___SwapOut | None = ...,
         swap_in: Global___SwapIn | None = ...,
         decode: Global___Decode | None = ...,
+        admit: Global___Admit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "create", b"create", "decode", b"decode", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["admit", b"admit", "commit", b"commit", "create", b"create", "decode", b"decode", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "create", b"create", "decode", b"decode", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit", b"admit", "commit", b"commit", "create", b"create", "decode", b"decode", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["create", "fork", "reserve", "commit", "free", "swap_out", "swap_in", "decode"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["create", "fork", "reserve", "commit", "free", "swap_out", "swap_in", "decode", "admit"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -138,6 +142,40 @@ class Create(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Create: _TypeAlias = Create  # noqa: Y015
+
+@_typing.final
+class Admit(_message.Message):
+    """Create plus the reservation of the first chunk (num_tokens slots after the cached prefix, fewer when
+    the prompt runs out), above the watermark, as one act: refused, nothing changes and the sequence does
+    not exist. No other op but Free may name the sequence in the same step (its slot count depends on hits).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    CACHE_NAMESPACE_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    seq_id: _builtins.int
+    cache_namespace: _builtins.bytes
+    num_tokens: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        seq_id: _builtins.int = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        cache_namespace: _builtins.bytes = ...,
+        num_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_namespace", b"cache_namespace", "num_tokens", b"num_tokens", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Admit: _TypeAlias = Admit  # noqa: Y015
 
 @_typing.final
 class Fork(_message.Message):
@@ -410,14 +448,14 @@ class OpResult(_message.Message):
     reason: _builtins.str
     """why REFUSED"""
     num_cached_tokens: _builtins.int
-    """Create: prompt tokens served by the prefix cache"""
+    """Create, Admit: prompt tokens served by the prefix cache"""
     @_builtins.property
     def deltas(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockTableDelta]:
         """device block tables that changed"""
 
     @_builtins.property
     def slot_mapping(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Reserve: one slot per reserved token; Decode: one per granted sequence"""
+        """Reserve, Admit: one slot per reserved token; Decode: one per granted sequence"""
 
     @_builtins.property
     def copies(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockCopy]:

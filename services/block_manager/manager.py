@@ -36,6 +36,14 @@ class CreateResult(NamedTuple):
     delta: BlockTableDelta
 
 
+class Admission(NamedTuple):
+    granted: bool
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    num_tokens: int  # tokens reserved after them
+    slot_mapping: list[int]
+    delta: BlockTableDelta | None  # the whole new table (keep 0)
+
+
 class Reservation(NamedTuple):
     granted: bool
     slot_mapping: list[int]  # [num_tokens], block_id * block_size + offset
@@ -57,6 +65,7 @@ class SwapResult(NamedTuple):
 
 
 REFUSED_RESERVATION = Reservation(False, [], [], None)
+REFUSED_ADMISSION = Admission(False, 0, 0, [], None)
 REFUSED_SWAP = SwapResult(False, [], [])
 
 
@@ -129,30 +138,55 @@ class BlockManager:
 
     def create(self, seq_id: int, token_ids: Sequence[int], namespace: bytes) -> CreateResult:
         """Registers a prompt and reuses its longest cached prefix, leaving the last token to compute."""
+        hits = self._prefix_hits(seq_id, token_ids, namespace)
+        seq = SequenceState(seq_id, namespace, list(token_ids))
+        for block, key in hits:
+            self.pool.acquire(block)
+            seq.block_table.append(block)
+            seq.block_hashes.append(key)
+        seq.num_slots = seq.num_computed = len(hits) * self.block_size
+        self.prefix_queries += len(token_ids)
+        self.prefix_hits += seq.num_computed
+        self.seqs[seq_id] = seq
+        append = tuple(block.block_id for block in seq.block_table)
+        return CreateResult(seq.num_computed, BlockTableDelta(seq_id, 0, append))
+
+    def admit(self, seq_id: int, token_ids: Sequence[int], namespace: bytes, max_tokens: int) -> Admission:
+        """create + reserve of the first chunk (up to max_tokens after the cached prefix), as one act above
+        the watermark: refused, it changes nothing, the sequence included."""
+        if max_tokens <= 0:
+            raise ValueError(f"admit: max_tokens must be positive, got {max_tokens} for sequence {seq_id}")
+        hits = self._prefix_hits(seq_id, token_ids, namespace)
+        cached = len(hits) * self.block_size
+        num_tokens = min(max_tokens, len(token_ids) - cached)
+        revived = sum(1 for block, _ in hits if block.ref_count == 0)
+        new_blocks = -(-(cached + num_tokens) // self.block_size) - len(hits)
+        if revived + new_blocks > self._budget(admission=True):
+            return REFUSED_ADMISSION
+        created = self.create(seq_id, token_ids, namespace)
+        reservation = self.reserve(seq_id, num_tokens, admission=True)
+        assert reservation.granted, f"admit of {seq_id}: reservation refused after the budget check"
+        delta = BlockTableDelta(seq_id, 0, tuple(b.block_id for b in self.seqs[seq_id].block_table))
+        return Admission(True, created.num_cached_tokens, num_tokens, reservation.slot_mapping, delta)
+
+    def _prefix_hits(self, seq_id: int, token_ids: Sequence[int], namespace: bytes) -> list[tuple[KVBlock, bytes]]:
+        """The longest chain of cached full blocks matching the prompt, leaving at least its last token."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} already exists")
         if not token_ids:
             raise ValueError(f"sequence {seq_id}: token_ids must not be empty")
         if not namespace:
             raise ValueError(f"sequence {seq_id}: cache namespace must not be empty")
-        seq = SequenceState(seq_id, namespace, list(token_ids))
-        bs = self.block_size
-        parent = namespace
+        bs, parent = self.block_size, namespace
+        hits = []
         for i in range((len(token_ids) - 1) // bs):
-            key = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            key = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             block = self.pool.lookup(key)
             if block is None:
                 break
-            self.pool.acquire(block)
-            seq.block_table.append(block)
-            seq.block_hashes.append(key)
+            hits.append((block, key))
             parent = key
-        seq.num_slots = seq.num_computed = len(seq.block_table) * bs
-        self.prefix_queries += len(token_ids)
-        self.prefix_hits += seq.num_computed
-        self.seqs[seq_id] = seq
-        append = tuple(block.block_id for block in seq.block_table)
-        return CreateResult(seq.num_computed, BlockTableDelta(seq_id, 0, append))
+        return hits
 
     def fork(self, parent_id: int, child_id: int) -> BlockTableDelta:
         """The child shares every block of the parent; the first write into a shared tail copies it."""

@@ -16,6 +16,7 @@ from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from .manager import BlockCopy, BlockManager
 from .stats import BlockStats
 from .step import (
+    AdmitOp,
     CommitOp,
     CreateOp,
     DecodeOp,
@@ -44,6 +45,9 @@ def op_from_proto(index: int, op: pb.Op) -> Op:
         return CommitOp(op.commit.seq_id, op.commit.num_computed_tokens)
     if kind == "create":
         return CreateOp(op.create.seq_id, op.create.token_ids, op.create.cache_namespace)
+    if kind == "admit":
+        a = op.admit
+        return AdmitOp(a.seq_id, a.token_ids, a.cache_namespace, a.num_tokens)
     if kind == "free":
         return FreeOp(op.free.seq_id)
     if kind == "fork":

@@ -29,6 +29,13 @@ class CreateOp(NamedTuple):
     cache_namespace: bytes
 
 
+class AdmitOp(NamedTuple):
+    seq_id: int
+    token_ids: Sequence[int]
+    cache_namespace: bytes
+    max_tokens: int  # the first chunk: slots reserved after the cached prefix, at most this many
+
+
 class ForkOp(NamedTuple):
     parent_seq_id: int
     child_seq_id: int
@@ -63,7 +70,7 @@ class DecodeOp(NamedTuple):
     token_ids: Sequence[int]
 
 
-Op = CreateOp | ForkOp | ReserveOp | CommitOp | FreeOp | SwapOutOp | SwapInOp | DecodeOp
+Op = CreateOp | AdmitOp | ForkOp | ReserveOp | CommitOp | FreeOp | SwapOutOp | SwapInOp | DecodeOp
 
 
 @dataclass
@@ -85,6 +92,7 @@ class _Shadow:
     num_known: int
     num_slots: int
     num_computed: int
+    admitted: bool = False  # admitted in this step: its slot count depends on prefix hits, so no more ops
 
 
 class _Validator:
@@ -127,6 +135,8 @@ class _Validator:
         shadow = self.shadow(seq_id)
         if shadow is None:
             raise InvalidStep(f"{where}: unknown sequence {seq_id}")
+        if shadow.admitted and resident is not None:
+            raise InvalidStep(f"{where}: sequence {seq_id} was admitted in this step and takes no other op but free")
         if resident is not None and shadow.swapped == resident:
             raise InvalidStep(f"{where}: sequence {seq_id} is {'swapped out' if resident else 'not swapped out'}")
         return shadow
@@ -135,20 +145,28 @@ class _Validator:
         if self.shadow(seq_id) is not None:
             raise InvalidStep(f"{where}: sequence {seq_id} already exists")
 
+    def check_new_sequence(self, seq_id: int, token_ids: Sequence[int], namespace: bytes, at: str) -> None:
+        self.absent(seq_id, f"{at}.seq_id")
+        if not token_ids:
+            raise InvalidStep(f"{at}.token_ids: must not be empty")
+        _check_token_ids(token_ids, f"{at}.token_ids")
+        if not MIN_NAMESPACE_BYTES <= len(namespace) <= MAX_NAMESPACE_BYTES:
+            raise InvalidStep(
+                f"{at}.cache_namespace: must be {MIN_NAMESPACE_BYTES} to {MAX_NAMESPACE_BYTES} bytes,"
+                f" got {len(namespace)}"
+            )
+
     def check(self, index: int, op: Op) -> None:
         at = f"ops[{index}]"
         match op:
             case CreateOp():
-                self.absent(op.seq_id, f"{at}.create.seq_id")
-                if not op.token_ids:
-                    raise InvalidStep(f"{at}.create.token_ids: must not be empty")
-                _check_token_ids(op.token_ids, f"{at}.create.token_ids")
-                if not MIN_NAMESPACE_BYTES <= len(op.cache_namespace) <= MAX_NAMESPACE_BYTES:
-                    raise InvalidStep(
-                        f"{at}.create.cache_namespace: must be {MIN_NAMESPACE_BYTES} to {MAX_NAMESPACE_BYTES}"
-                        f" bytes, got {len(op.cache_namespace)}"
-                    )
+                self.check_new_sequence(op.seq_id, op.token_ids, op.cache_namespace, f"{at}.create")
                 self.shadows[op.seq_id] = _Shadow(False, len(op.token_ids), 0, 0)
+            case AdmitOp():
+                self.check_new_sequence(op.seq_id, op.token_ids, op.cache_namespace, f"{at}.admit")
+                if op.max_tokens <= 0:
+                    raise InvalidStep(f"{at}.admit.num_tokens: must be positive, got {op.max_tokens}")
+                self.shadows[op.seq_id] = _Shadow(False, len(op.token_ids), 0, 0, admitted=True)
             case ForkOp():
                 parent = self.existing(op.parent_seq_id, f"{at}.fork.parent_seq_id")
                 self.absent(op.child_seq_id, f"{at}.fork.child_seq_id")
@@ -229,6 +247,15 @@ def _apply(manager: BlockManager, op: Op, refused: set[int]) -> OpOutcome:
         case CreateOp():
             created = manager.create(op.seq_id, op.token_ids, op.cache_namespace)
             return OpOutcome(deltas=[created.delta], num_cached_tokens=created.num_cached_tokens)
+        case AdmitOp():
+            admission = manager.admit(op.seq_id, op.token_ids, op.cache_namespace, op.max_tokens)
+            if not admission.granted:
+                refused.add(op.seq_id)
+                return OpOutcome(False, f"admission needs more than the {manager.pool.num_free_blocks} free blocks"
+                                        f" less the {manager.watermark_blocks} held back by the watermark")
+            assert admission.delta is not None
+            return OpOutcome(deltas=[admission.delta], slot_mapping=admission.slot_mapping,
+                             num_cached_tokens=admission.num_cached_tokens)
         case ForkOp():
             return OpOutcome(deltas=[manager.fork(op.parent_seq_id, op.child_seq_id)])
         case ReserveOp():

@@ -225,3 +225,17 @@ def test_decode_refuses_only_the_sequences_without_a_block() -> None:
     seq = m.seqs[2]
     assert seq.num_computed == seq.num_slots == 2 and seq.token_ids == [3, 8]  # the commit applied, nothing else
     m.check_integrity()
+
+
+def test_admit_reserves_first_chunk_after_prefix_hits_or_changes_nothing() -> None:
+    m = BlockManager(num_blocks=6, block_size=4, watermark=0.34)  # 2 blocks held back for running sequences
+    fill(m, 1, list(range(9)))  # blocks 0, 1 hashed, 2 partial
+    m.free(1)  # 0 and 1 stay cached at the tail
+    admission = m.admit(2, list(range(8)) + [40, 41, 42, 43, 44], NS_A, max_tokens=4)
+    assert admission.granted and admission.num_cached_tokens == 8 and admission.num_tokens == 4
+    assert admission.delta == BlockTableDelta(2, 0, (0, 1, 2)) and admission.slot_mapping == [8, 9, 10, 11]
+    before = (m.stats(), [b.block_id for b in m.pool.free_queue])
+    # 3 free blocks, 2 of them held back: a cold 8-token prompt needs 2, so it is refused, leaving no trace
+    assert not m.admit(3, [9] * 8, NS_A, max_tokens=8).granted
+    assert 3 not in m.seqs and (m.stats(), [b.block_id for b in m.pool.free_queue]) == before
+    m.check_integrity()
