@@ -11,6 +11,8 @@ from collections.abc import Sequence
 # subcommand -> (module that provides add_arguments(parser) and main(args), help)
 COMMANDS = {
     "block-manager": ("pagedserve.services.block_manager.server", "run the KV block-manager gRPC sidecar"),
+    "executor": ("pagedserve.services.executor.server", "run the model executor gRPC service"),
+    "run": ("pagedserve.services.frontend.run_cli", "offline generation for a few prompts"),
 }
 BENCHMARKS = {
     "blocks": ("pagedserve.benchmarks.blocks", "block-manager utilization and step latency"),

@@ -1,1 +1,1 @@
-
+"""The frontend: public API, tokenization, and the continuous-batching scheduler and engine."""

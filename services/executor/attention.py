@@ -1,0 +1,102 @@
+"""Paged attention for one layer of a mixed batch: prefill chunks first, then one token per decode.
+
+Every step writes the new tokens' K/V into the paged cache first, so both kernels read all keys through
+the block tables (cached prefix, earlier chunks and the chunk itself alike).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels import KernelBackend
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each token of the batch goes and what it may attend to. Tokens [0, num_prefill_tokens)
+    belong to prefill chunks (sequence by sequence); each later token is one decoding sequence."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each token's K/V (< 0: padding)
+    num_prefill_tokens: int
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    prefill_cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32: context length after the chunk
+    max_prefill_query_len: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32: context length including the new token
+    max_decode_seq_len: int
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.decode_seq_lens.shape[0])
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    slot_mapping: list[int],
+    device: torch.device,
+) -> AttentionMetadata:
+    """From per-sequence lists in which the caller placed every sequence with query_len > 1 first.
+    A single-token chunk takes the decode kernel: one query at the end of its context is exactly a decode."""
+    num_prefills = sum(1 for q in query_lens if q > 1)
+    assert all(q > 1 for q in query_lens[:num_prefills]), "multi-token chunks must precede single tokens"
+    max_blocks = max((len(t) for t in block_tables), default=0) or 1
+
+    def table(rows: list[list[int]]) -> torch.Tensor:
+        padded = [row + [0] * (max_blocks - len(row)) for row in rows]
+        return torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(rows), max_blocks)
+
+    prefill_q = query_lens[:num_prefills]
+    cu = [0]
+    for q in prefill_q:
+        cu.append(cu[-1] + q)
+    decode_lens = seq_lens[num_prefills:]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        num_prefill_tokens=cu[-1],
+        prefill_block_tables=table(block_tables[:num_prefills]),
+        prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        prefill_seq_lens=torch.tensor(seq_lens[:num_prefills], dtype=torch.int32, device=device),
+        max_prefill_query_len=max(prefill_q, default=0),
+        decode_block_tables=table(block_tables[num_prefills:]),
+        decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
+        max_decode_seq_len=max(decode_lens, default=0),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    backend: KernelBackend,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    backend.cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
+    p = meta.num_prefill_tokens
+    if p == q.shape[0]:
+        return backend.prefill_attention(
+            q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
+            scale, max_query_len=meta.max_prefill_query_len,
+        )
+    if p == 0:
+        return backend.decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+            max_seq_len=meta.max_decode_seq_len,
+        )
+    out = torch.empty_like(q)
+    out[:p] = backend.prefill_attention(
+        q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
+        scale, max_query_len=meta.max_prefill_query_len,
+    )
+    out[p:] = backend.decode_attention(
+        q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+        max_seq_len=meta.max_decode_seq_len,
+    )
+    return out

@@ -1,0 +1,185 @@
+"""The model runner: the KV tensors (device blocks and the CPU swap pool) and one step over them.
+
+A step applies swap-outs, then swap-ins, then copy-on-write copies, then the forward pass, then
+sampling. That order is the block manager's contract: a block freed by a swap-out may be handed to
+another sequence in the same step, so its contents must leave before anything writes into it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ...kernels import KernelBackend, swap_blocks
+from ..common.errors import InvalidRequest
+from .attention import build_attention_metadata
+from .model.config import ModelConfig
+from .model.llama import LlamaForCausalLM
+from .sampling import MAX_TOP_LOGPROBS, SampledToken, SamplingParams, sample
+
+
+@dataclass(frozen=True)
+class SequenceInput:
+    seq_id: int
+    token_ids: Sequence[int]  # tokens whose KV is computed this step
+    start_position: int  # position of token_ids[0]
+    block_table: Sequence[int]  # covers positions [0, start_position + len(token_ids))
+    slot_mapping: Sequence[int]  # one cache slot per token
+    sampling: SamplingParams | None = None  # None: no next token wanted (a non-final prefill chunk)
+
+
+@dataclass(frozen=True)
+class StepInput:
+    sequences: Sequence[SequenceInput]
+    swap_out: Sequence[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    swap_in: Sequence[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    copies: Sequence[tuple[int, int]] = field(default_factory=list)  # (device src, device dst)
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for block_size tokens."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: ModelConfig,
+        backend: KernelBackend,
+        block_size: int,
+        num_blocks: int,
+        num_cpu_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"the KV budget holds {num_blocks} blocks of {block_size} tokens: too small")
+        param = next(model.parameters())
+        self.model, self.config, self.backend = model, config, backend
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size, self.num_blocks, self.num_cpu_blocks = block_size, num_blocks, num_cpu_blocks
+        self.max_model_len = max_model_len
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(config.num_layers)
+        ]
+        cpu_shape = (num_cpu_blocks, *shape[1:])
+        pin = self.device.type == "cuda"
+        self.cpu_caches = [
+            (torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin),
+             torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin))
+            for _ in range(config.num_layers)
+        ]
+
+    def validate(self, step: StepInput) -> None:
+        """Raises InvalidRequest naming the field; nothing has changed when it does."""
+        vocab, bs = self.config.vocab_size, self.block_size
+        seen = set()
+        for i, seq in enumerate(step.sequences):
+            at = f"sequences[{i}]"
+            if seq.seq_id in seen:
+                raise InvalidRequest(f"{at}.seq_id: sequence {seq.seq_id} appears twice in the step")
+            seen.add(seq.seq_id)
+            if not seq.token_ids:
+                raise InvalidRequest(f"{at}.token_ids: must not be empty")
+            bad = next((t for t in seq.token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequest(f"{at}.token_ids: token id {bad} outside the vocabulary [0, {vocab})")
+            end = seq.start_position + len(seq.token_ids)
+            if end > self.max_model_len:
+                raise InvalidRequest(
+                    f"{at}.start_position: positions up to {end} exceed the context of {self.max_model_len}"
+                )
+            if len(seq.slot_mapping) != len(seq.token_ids):
+                raise InvalidRequest(
+                    f"{at}.slot_mapping: {len(seq.slot_mapping)} slots for {len(seq.token_ids)} tokens"
+                )
+            if len(seq.block_table) * bs < end:
+                raise InvalidRequest(f"{at}.block_table: {len(seq.block_table)} blocks cannot hold {end} tokens")
+            _check_ids(seq.block_table, self.num_blocks, f"{at}.block_table")
+            for offset, slot in enumerate(seq.slot_mapping):
+                pos = seq.start_position + offset
+                if slot != seq.block_table[pos // bs] * bs + pos % bs:
+                    raise InvalidRequest(f"{at}.slot_mapping: slot {slot} of position {pos} is not in its block")
+            if seq.sampling is not None:
+                s = seq.sampling
+                if not (s.temperature >= 0 and 0 <= s.top_p <= 1 and s.top_k >= 0):
+                    raise InvalidRequest(f"{at}.sampling: temperature >= 0, 0 <= top_p <= 1, top_k >= 0 required")
+                if s.num_top_logprobs > MAX_TOP_LOGPROBS:
+                    raise InvalidRequest(f"{at}.sampling.num_top_logprobs: at most {MAX_TOP_LOGPROBS}")
+        for name, pairs, src_limit, dst_limit in (
+            ("swap_out", step.swap_out, self.num_blocks, self.num_cpu_blocks),
+            ("swap_in", step.swap_in, self.num_cpu_blocks, self.num_blocks),
+            ("copies", step.copies, self.num_blocks, self.num_blocks),
+        ):
+            for j, (src, dst) in enumerate(pairs):
+                if not (0 <= src < src_limit and 0 <= dst < dst_limit):
+                    raise InvalidRequest(f"{name}[{j}]: block ({src} -> {dst}) outside the cache")
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> list[SampledToken]:
+        self.validate(step)
+        self._move_blocks(step)
+        if not step.sequences:
+            return []
+        # multi-token chunks first, then single tokens: the layout AttentionMetadata expects
+        order = sorted(range(len(step.sequences)), key=lambda i: len(step.sequences[i].token_ids) == 1)
+        seqs = [step.sequences[i] for i in order]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_token_index: list[int] = []
+        for seq in seqs:
+            input_ids.extend(seq.token_ids)
+            positions.extend(range(seq.start_position, seq.start_position + len(seq.token_ids)))
+            slots.extend(seq.slot_mapping)
+            last_token_index.append(len(input_ids) - 1)
+        meta = build_attention_metadata(
+            [len(s.token_ids) for s in seqs],
+            [s.start_position + len(s.token_ids) for s in seqs],
+            [list(s.block_table) for s in seqs],
+            slots,
+            self.device,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
+            meta, self.kv_caches,
+        )  # [num_tokens, hidden]
+        wanted = [i for i, s in enumerate(seqs) if s.sampling is not None]
+        if not wanted:
+            return []
+        logits = self.model.compute_logits(hidden[[last_token_index[i] for i in wanted]])  # [n, vocab]
+        sampled = sample(
+            logits,
+            [seqs[i].sampling for i in wanted],  # type: ignore[misc]
+            [seqs[i].start_position + len(seqs[i].token_ids) for i in wanted],
+            [seqs[i].seq_id for i in wanted],
+        )
+        by_id = {t.seq_id: t for t in sampled}
+        return [by_id[s.seq_id] for s in step.sequences if s.sampling is not None]
+
+    def _move_blocks(self, step: StepInput) -> None:
+        if step.swap_out:
+            mapping = torch.tensor(step.swap_out, dtype=torch.int64)
+            for (k, v), (k_cpu, v_cpu) in zip(self.kv_caches, self.cpu_caches, strict=True):
+                swap_blocks(k, k_cpu, mapping)
+                swap_blocks(v, v_cpu, mapping)
+        if step.swap_in:
+            mapping = torch.tensor(step.swap_in, dtype=torch.int64)
+            for (k, v), (k_cpu, v_cpu) in zip(self.kv_caches, self.cpu_caches, strict=True):
+                swap_blocks(k_cpu, k, mapping)
+                swap_blocks(v_cpu, v, mapping)
+        if step.copies:
+            mapping = torch.tensor(step.copies, dtype=torch.int64, device=self.device)
+            self.backend.copy_blocks([c for kv in self.kv_caches for c in kv], mapping)
+
+
+def _check_ids(values: Sequence[int], limit: int, where: str) -> None:
+    bad = next((v for v in values if not 0 <= v < limit), None)
+    if bad is not None:
+        raise InvalidRequest(f"{where}: {bad} outside [0, {limit})")

@@ -1,0 +1,103 @@
+"""The engine: admission checks, then scheduler and executor in lock step, one step per call.
+
+It is synchronous: the offline `LLM` calls it in a loop; the server runs it on its own thread.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from ..block_manager.prefix_hash import cache_namespace
+from ..common.errors import InvalidRequest, OutOfCapacity
+from .ports import ExecutorPort
+from .request import GenerationParams, Request, StepOutput
+from .scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """Everything that shapes the KV cache's contents, for the prefix-cache namespace."""
+
+    model_digest: str
+    tokenizer: str
+    chat_template: str
+    kv_dtype: str
+    adapter: str = ""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    eos_token_ids: frozenset[int]
+    max_n: int = 16
+
+
+class Engine:
+    def __init__(self, scheduler: Scheduler, executor: ExecutorPort, limits: EngineLimits, identity: ModelIdentity):
+        self.scheduler, self.executor, self.limits, self.identity = scheduler, executor, limits, identity
+
+    def namespace(self, tenant_salt: bytes) -> bytes:
+        i = self.identity
+        return cache_namespace(model=i.model_digest, tokenizer=i.tokenizer, chat_template=i.chat_template,
+                               adapter=i.adapter, kv_dtype=i.kv_dtype, block_size=self.limits.block_size,
+                               tenant_salt=tenant_salt)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: GenerationParams, tenant_salt: bytes = b""
+    ) -> Request:
+        """Validates and queues a request; raises InvalidRequest or OutOfCapacity naming the limit."""
+        self.check(prompt_token_ids, params)
+        if request_id in self.scheduler.requests:
+            raise InvalidRequest(f"request_id: {request_id!r} is already running")
+        seed = params.seed if params.seed is not None else secrets.randbits(62)
+        request = Request(request_id, list(prompt_token_ids), params, self.namespace(tenant_salt), seed,
+                          self.limits.eos_token_ids)
+        self.scheduler.add(request)
+        return request
+
+    def check(self, prompt_token_ids: list[int], params: GenerationParams) -> None:
+        params.validate(self.limits.max_n)
+        limits = self.limits
+        if not prompt_token_ids:
+            raise InvalidRequest("prompt: must not be empty")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt: token id {bad} outside the vocabulary [0, {limits.vocab_size})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if len(prompt_token_ids) >= limits.max_model_len:
+            raise InvalidRequest(f"prompt: {len(prompt_token_ids)} tokens exceed the context of {limits.max_model_len}")
+        if total > limits.max_model_len:
+            raise InvalidRequest(
+                f"max_tokens: prompt ({len(prompt_token_ids)}) + max_tokens ({params.max_tokens}) exceeds the"
+                f" context of {limits.max_model_len} tokens"
+            )
+        bs = limits.block_size
+        # the prompt's blocks are shared by the n samples; each sample's own tail and output are not
+        blocks = len(prompt_token_ids) // bs + params.n * (-(-(len(prompt_token_ids) % bs + params.max_tokens) // bs))
+        if blocks > limits.num_blocks:
+            raise OutOfCapacity(
+                f"the request needs up to {blocks} KV blocks of {bs} tokens; the cache holds {limits.num_blocks}"
+            )
+
+    def step(self) -> list[StepOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return []
+        sampled = self.executor.execute(scheduled.step_input)
+        outputs = self.scheduler.update(scheduled, sampled)
+        if not self.scheduler.has_work:
+            self.scheduler.flush()  # the last finished sequences release their blocks now, not next time
+        return outputs
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        output = self.scheduler.abort(request_id)
+        self.scheduler.flush()
+        return output
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work

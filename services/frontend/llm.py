@@ -1,0 +1,131 @@
+"""Offline batch inference in one process: `pagedserve.LLM(model).generate(prompts, params)`.
+
+The same engine as the server (block-manager core, scheduler, model runner), without gRPC: the
+in-process ports stand in for the two sidecars.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..block_manager.manager import BlockManager
+from ..executor.engine_config import ExecutorConfig, build_runner
+from ..executor.model.registry import resolve_model
+from ..executor.model.tokenizer import load_tokenizer, render_chat
+from .engine import Engine, EngineLimits, ModelIdentity
+from .ports import LocalBlockManager, LocalExecutor
+from .request import FinishReason, GenerationParams, Request
+from .scheduler import Scheduler, SchedulerConfig
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]  # generated tokens only
+    finish_reason: str
+    logprobs: list[float]  # of each generated token
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int
+    num_preemptions: int
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        *,
+        dtype: str | None = None,
+        device: str | None = None,
+        block_size: int = 16,
+        kv_cache_mib: int = 512,
+        num_blocks: int | None = None,
+        cpu_swap_mib: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        preemption_mode: Literal["recompute", "swap"] = "recompute",
+    ) -> None:
+        config = ExecutorConfig(
+            model=model, dtype=dtype, device=device, block_size=block_size, kv_cache_bytes=kv_cache_mib << 20,
+            num_blocks=num_blocks, cpu_swap_bytes=cpu_swap_mib << 20, max_model_len=max_model_len,
+        )
+        runner, info = build_runner(config)
+        source = resolve_model(model)
+        self.tokenizer = load_tokenizer(source)
+        self.info = info
+        self.block_manager = BlockManager(info.num_blocks, info.block_size, info.num_cpu_blocks)
+        scheduler = Scheduler(
+            SchedulerConfig(info.block_size, info.max_model_len, max_num_seqs, max_num_batched_tokens, preemption_mode),
+            LocalBlockManager(self.block_manager),
+        )
+        eos = frozenset(info.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
+        limits = EngineLimits(info.vocab_size, info.max_model_len, info.num_blocks, info.block_size, eos)
+        identity = ModelIdentity(info.model_digest, self.tokenizer.name_or_path or source.name,
+                                 self.tokenizer.chat_template or "", info.dtype)
+        self.engine = Engine(scheduler, LocalExecutor(runner), limits, identity)
+        self._ids = itertools.count()
+
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: GenerationParams | None = None, *, progress: bool = True
+    ) -> list[Completion]:
+        """Completes each prompt (text, or token ids); results in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        token_lists = [self._encode(p) for p in prompts]  # type: ignore[union-attr]
+        return self._run(token_lists, params or GenerationParams(), progress)
+
+    def chat(
+        self, conversations: Sequence[Sequence[dict[str, str]]], params: GenerationParams | None = None,
+        *, progress: bool = True,
+    ) -> list[Completion]:
+        """Completes each conversation rendered with the model's chat template."""
+        token_lists = [render_chat(self.tokenizer, list(c)) for c in conversations]
+        return self._run(token_lists, params or GenerationParams(), progress)
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return list(prompt)
+
+    def _run(self, token_lists: list[list[int]], params: GenerationParams, progress: bool) -> list[Completion]:
+        requests: list[Request] = []
+        for tokens in token_lists:
+            requests.append(self.engine.add_request(f"offline-{next(self._ids)}", tokens, params))
+        start, generated, done = time.monotonic(), 0, 0
+        show = progress and sys.stderr.isatty()  # a live progress line, for people watching a terminal
+        while self.engine.has_work:
+            for output in self.engine.step():
+                generated += sum(len(o.new_token_ids) for o in output.outputs)
+                done += output.request.finished
+            if show:
+                rate = generated / max(time.monotonic() - start, 1e-9)
+                print(f"\r{done}/{len(requests)} requests, {generated} tokens, {rate:.1f} tok/s", end="",
+                      file=sys.stderr, flush=True)
+        if show:
+            print(file=sys.stderr)
+        return [self._completion(r) for r in requests]
+
+    def _completion(self, request: Request) -> Completion:
+        outputs = []
+        for seq in sorted(request.seqs, key=lambda s: s.index):
+            ids = seq.output_token_ids
+            reason = (seq.finish_reason or FinishReason.ABORT).value
+            outputs.append(CompletionOutput(seq.index, self.tokenizer.decode(ids, skip_special_tokens=True), ids,
+                                            reason, list(seq.logprobs)))
+        return Completion(list(request.prompt_token_ids), outputs, request.num_cached_tokens, request.num_preemptions)
+
+    def stats(self) -> dict[str, Any]:
+        return vars(self.block_manager.stats())

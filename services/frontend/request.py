@@ -1,0 +1,135 @@
+"""What the scheduler tracks: requests, the sequences (samples) they fan out into, and their outputs."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..common.errors import InvalidRequest
+from ..executor.sampling import MAX_TOP_LOGPROBS, SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What a caller asks for. Validated once, at the edge (`validate`)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None  # None: the engine picks one (and reports it)
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int = 0  # top logprobs per generated token (the chosen token's logprob is always returned)
+
+    def validate(self, max_n: int = 16) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.temperature >= 0.0, "temperature", "must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0: off)"),
+            (1 <= self.n <= max_n, "n", f"must be in [1, {max_n}]"),
+            (0 <= self.logprobs <= MAX_TOP_LOGPROBS, "logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)"),
+        ]
+        for ok, name, message in checks:
+            if not ok:
+                raise InvalidRequest(f"{name}: {message}, got {getattr(self, name)!r}")
+
+    def sampling_for(self, seed: int) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, seed, self.logprobs)
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled, deadline passed, or failed
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # not in the block manager (new, or preempted by recompute)
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: GenerationParams
+    cache_namespace: bytes
+    seed: int
+    eos_token_ids: frozenset[int] = frozenset()
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    seqs: list[SequenceState] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    num_unforked: int = -1  # samples not forked yet from the first sequence
+
+    def __post_init__(self) -> None:
+        if self.num_unforked < 0:
+            self.num_unforked = self.params.n - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unforked == 0 and all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """One sample of a request. Its tokens are prompt + generated; the KV of the first num_computed is stored."""
+
+    seq_id: int
+    request: Request
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose KV the executor stored
+    num_known_to_manager: int = 0  # tokens the block manager has been told about
+    num_committed: int = 0  # tokens the block manager has been told are computed
+    block_table: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def sampling(self) -> SamplingParams:
+        # each sample draws with its own seed, so the n samples differ and each is reproducible
+        return self.request.params.sampling_for(self.request.seed + self.index)
+
+
+@dataclass(frozen=True)
+class SequenceOutput:
+    seq_id: int
+    index: int
+    new_token_ids: Sequence[int]
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one engine step produced for one request."""
+
+    request: Request
+    outputs: list[SequenceOutput]

@@ -1,0 +1,361 @@
+"""The continuous-batching scheduler: which sequences run each step, with how many tokens.
+
+Each step, within a token budget and a cap on running sequences:
+1. Running sequences first: one token for each decode, a chunk for each unfinished prefill (chunked
+   prefill mixes with decodes). A running sequence that got no block last step makes room first: the
+   newest running sequences are preempted (recompute: free and requeue at the front; or swap to the CPU
+   pool), before any reservation, so every preempted sequence's stored KV is complete.
+2. Swapped sequences resume (swap-in) before anything new is admitted; then waiting requests are admitted
+   in arrival order (preempted ones sit at the front) while the block estimate allows: nothing starves.
+3. One BlockManager call carries every op of the step; a refusal is never silent: an admission stays
+   waiting, a running sequence skips the step and triggers preemption in the next.
+
+A request with n > 1 prefills its prompt but the last token once, then forks n sequences that share those
+blocks; each computes the last prompt token itself and samples with its own seed, so they diverge.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..block_manager.stats import BlockStats
+from ..block_manager.step import (
+    AdmitOp,
+    CommitOp,
+    DecodeOp,
+    ForkOp,
+    FreeOp,
+    Op,
+    OpOutcome,
+    ReserveOp,
+    SwapInOp,
+    SwapOutOp,
+)
+from ..executor.runner import SequenceInput, StepInput
+from ..executor.sampling import SampledToken
+from .ports import BlockManagerPort
+from .request import FinishReason, Request, SeqStatus, SequenceOutput, SequenceState, StepOutput
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+
+
+@dataclass
+class Work:
+    seq: SequenceState
+    num_tokens: int
+    slot_mapping: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ScheduledStep:
+    work: list[Work]
+    step_input: StepInput
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManagerPort) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []  # in admission order: the newest is preempted first
+        self.swapped: deque[SequenceState] = deque()
+        self.pending: list[Op] = []  # frees of finished or aborted sequences, sent with the next call
+        self.requests: dict[str, Request] = {}
+        self.stats: BlockStats = block_manager.stats()
+        self.starved = False  # a running sequence got no block in the last step
+        self.num_preemptions = {"recompute": 0, "swap": 0}
+        self._seq_ids = itertools.count(1)
+
+    # ---- requests ------------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        seq = SequenceState(next(self._seq_ids), request, 0, list(request.prompt_token_ids))
+        request.seqs.append(seq)
+        self.requests[request.request_id] = request
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        """Finishes every sequence of the request; their blocks are freed by `flush` or the next step."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        outputs = [self._finish(s, FinishReason.ABORT) for s in request.seqs if s.status is not SeqStatus.FINISHED]
+        request.num_unforked = 0
+        self._forget_if_done(request)
+        return StepOutput(request, outputs)
+
+    def flush(self) -> None:
+        """Sends pending frees now (a cancelled request must not hold blocks until the next step)."""
+        if self.pending:
+            ops, self.pending = self.pending, []
+            self.stats = self.block_manager.step(ops).stats
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ---- planning ------------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledStep | None:
+        """Plans the step, sends its ops in one BlockManager call, and returns the executor's input."""
+        routes: list[tuple[Op, list[SequenceState]]] = [(op, []) for op in self.pending]
+        self.pending = []
+        if self.starved:
+            routes += self._make_room()
+        budget = self.config.max_num_batched_tokens
+        for parent in [s for s in self.running if self._ready_to_fork(s)]:
+            routes += [(ForkOp(parent.seq_id, child.seq_id), [child]) for child in self._fork(parent)]
+        decode_seqs: list[SequenceState] = []
+        free_estimate = self.stats.num_free_blocks - self._watermark_blocks()
+        for seq in self.running:
+            num_tokens = min(self._remaining(seq), budget)
+            if num_tokens == 0:
+                continue
+            budget -= num_tokens
+            free_estimate -= self._blocks_needed(seq, num_tokens)
+            if self._is_plain_decode(seq, num_tokens):
+                decode_seqs.append(seq)
+            else:
+                routes += self._reserve(seq, num_tokens)
+        if decode_seqs:
+            decode = DecodeOp([s.seq_id for s in decode_seqs], [s.token_ids[-1] for s in decode_seqs])
+            routes.append((decode, decode_seqs))
+        room = self.config.max_num_seqs - len(self.running)
+        if self.swapped:  # resume before admitting anything new
+            seq = self.swapped[0]
+            if room > 0 and budget > 0 and self._blocks_needed(seq, 1) <= free_estimate:
+                routes.append((SwapInOp([seq.seq_id]), [seq]))
+                routes += self._reserve(seq, 1)
+        else:
+            for seq in self.waiting:
+                chunk = min(self._target_len(seq), budget)
+                blocks = self._blocks_needed(seq, chunk)
+                if room <= 0 or chunk <= 0 or blocks > free_estimate:
+                    break
+                routes.append((AdmitOp(seq.seq_id, seq.token_ids, seq.request.cache_namespace, chunk), [seq]))
+                room, budget, free_estimate = room - 1, budget - chunk, free_estimate - blocks
+        if not routes:
+            return None
+        answer = self.block_manager.step([op for op, _ in routes])
+        self.stats = answer.stats
+        return self._apply_answer(routes, answer.outcomes)
+
+    def _reserve(self, seq: SequenceState, num_tokens: int) -> list[tuple[Op, list[SequenceState]]]:
+        routes: list[tuple[Op, list[SequenceState]]] = []
+        if seq.num_committed < seq.num_computed:
+            routes.append((CommitOp(seq.seq_id, seq.num_computed), []))
+            seq.num_committed = seq.num_computed
+        append = seq.token_ids[seq.num_known_to_manager : seq.num_computed + num_tokens]
+        routes.append((ReserveOp(seq.seq_id, num_tokens, append), [seq]))
+        return routes
+
+    def _apply_answer(
+        self, routes: list[tuple[Op, list[SequenceState]]], outcomes: list[OpOutcome]
+    ) -> ScheduledStep | None:
+        work: dict[int, Work] = {}
+        copies: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        swap_out: list[tuple[int, int]] = []
+        self.starved = False
+        now = time.monotonic()
+        for (op, seqs), outcome in zip(routes, outcomes, strict=True):
+            if outcome.deltas:
+                by_id = {s.seq_id: s for s in seqs}
+                for delta in outcome.deltas:
+                    if delta.seq_id in by_id:
+                        by_id[delta.seq_id].block_table[delta.keep :] = delta.append
+            copies += [(c.src, c.dst) for c in outcome.copies]
+            swap_in += [(c.src, c.dst) for c in outcome.swap_in]
+            swap_out += [(c.src, c.dst) for c in outcome.swap_out]
+            match op:
+                case DecodeOp():
+                    refused = set(outcome.refused_seq_ids)
+                    granted = [s for s in seqs if s.seq_id not in refused]
+                    self.starved |= bool(refused)
+                    for seq, slot in zip(granted, outcome.slot_mapping, strict=True):
+                        work[seq.seq_id] = Work(seq, 1, [slot])
+                        seq.num_known_to_manager = len(seq.token_ids)
+                        seq.num_committed = seq.num_computed
+                case ReserveOp() if outcome.granted:
+                    (seq,) = seqs
+                    work[seq.seq_id] = Work(seq, op.num_tokens, list(outcome.slot_mapping))
+                    seq.num_known_to_manager = seq.num_computed + op.num_tokens
+                case ReserveOp():
+                    self.starved |= seqs[0].status is SeqStatus.RUNNING
+                case AdmitOp() if outcome.granted:
+                    (seq,) = seqs
+                    self.waiting.remove(seq)
+                    self.running.append(seq)
+                    seq.status = SeqStatus.RUNNING
+                    seq.num_computed = seq.num_committed = outcome.num_cached_tokens
+                    seq.num_known_to_manager = len(seq.token_ids)
+                    work[seq.seq_id] = Work(seq, len(outcome.slot_mapping), list(outcome.slot_mapping))
+                    seq.request.metrics.first_scheduled = seq.request.metrics.first_scheduled or now
+                    seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, outcome.num_cached_tokens)
+                case SwapInOp() if outcome.granted:
+                    (seq,) = seqs
+                    self.swapped.remove(seq)
+                    self.running.append(seq)
+                    seq.status = SeqStatus.RUNNING
+                case SwapOutOp() if outcome.granted:
+                    seqs[0].block_table = []
+                case SwapOutOp():  # the CPU pool is full after all: recompute instead
+                    (seq,) = seqs
+                    self.swapped.remove(seq)
+                    self.pending.append(FreeOp(seq.seq_id))
+                    self._requeue_for_recompute(seq)
+        if not work and not (swap_out or swap_in or copies):
+            return None
+        items = list(work.values())
+        sequences = []
+        for w in items:
+            seq = w.seq
+            start = seq.num_computed
+            sample = start + w.num_tokens == len(seq.token_ids)
+            sequences.append(SequenceInput(
+                seq.seq_id, seq.token_ids[start : start + w.num_tokens], start, list(seq.block_table),
+                w.slot_mapping, seq.sampling if sample else None,
+            ))
+        return ScheduledStep(items, StepInput(sequences, swap_out=swap_out, swap_in=swap_in, copies=copies))
+
+    # ---- results -------------------------------------------------------------------------------------
+
+    def update(self, step: ScheduledStep, sampled: list[SampledToken]) -> list[StepOutput]:
+        """Records the step's stored KV and sampled tokens; finishes sequences that hit a stop condition."""
+        now = time.monotonic()
+        for w in step.work:
+            w.seq.num_computed += w.num_tokens
+        by_seq = {w.seq.seq_id: w.seq for w in step.work}
+        outputs: dict[str, list[SequenceOutput]] = {}
+        for token in sampled:
+            seq = by_seq[token.seq_id]
+            request = seq.request
+            seq.token_ids.append(token.token_id)
+            seq.logprobs.append(token.logprob)
+            seq.top_logprobs.append(list(zip(token.top_token_ids, token.top_logprobs, strict=True)))
+            request.metrics.first_token = request.metrics.first_token or now
+            if seq.index == 0:
+                request.metrics.token_times.append(now)
+            reason = self._stop_reason(seq)
+            if reason is not None:
+                self._finish(seq, reason)
+            outputs.setdefault(request.request_id, []).append(
+                SequenceOutput(seq.seq_id, seq.index, [token.token_id], seq.finish_reason)
+            )
+        results = []
+        for request_id, seq_outputs in outputs.items():
+            request = self.requests[request_id]
+            results.append(StepOutput(request, seq_outputs))
+            self._forget_if_done(request)
+        return results
+
+    def finish(self, seq: SequenceState, reason: FinishReason) -> None:
+        """Ends a sequence for a reason found outside the scheduler (a stop string)."""
+        if seq.status is not SeqStatus.FINISHED:
+            self._finish(seq, reason)
+            self._forget_if_done(seq.request)
+
+    # ---- helpers -------------------------------------------------------------------------------------
+
+    def _target_len(self, seq: SequenceState) -> int:
+        """Tokens to compute before sampling: an n > 1 parent stops short of its last prompt token."""
+        if seq.request.num_unforked > 0 and seq.index == 0:
+            return len(seq.token_ids) - 1
+        return len(seq.token_ids)
+
+    def _remaining(self, seq: SequenceState) -> int:
+        return self._target_len(seq) - seq.num_computed
+
+    def _ready_to_fork(self, seq: SequenceState) -> bool:
+        return seq.index == 0 and seq.request.num_unforked > 0 and seq.num_computed == len(seq.token_ids) - 1
+
+    def _fork(self, parent: SequenceState) -> list[SequenceState]:
+        request = parent.request
+        children = []
+        for index in range(1, request.params.n):
+            child = SequenceState(
+                next(self._seq_ids), request, index, list(parent.token_ids), SeqStatus.RUNNING,
+                parent.num_computed, parent.num_known_to_manager, parent.num_committed, list(parent.block_table),
+            )
+            request.seqs.append(child)
+            self.running.append(child)
+            children.append(child)
+        request.num_unforked = 0
+        return children
+
+    def _is_plain_decode(self, seq: SequenceState, num_tokens: int) -> bool:
+        """One new token, the last sampled one, that the block manager has not seen: the Decode fast path."""
+        last = len(seq.token_ids) - 1
+        return num_tokens == 1 and seq.num_computed == last and seq.num_known_to_manager == last
+
+    def _watermark_blocks(self) -> int:
+        return int(self.stats.watermark * self.stats.num_total_blocks)
+
+    def _blocks_needed(self, seq: SequenceState, num_tokens: int) -> int:
+        """New blocks to hold num_tokens more tokens (a resumed sequence gets its whole table back)."""
+        held = len(seq.block_table) if seq.status is SeqStatus.RUNNING else 0
+        return max(0, -(-(seq.num_computed + num_tokens) // self.config.block_size) - held)
+
+    def _make_room(self) -> list[tuple[Op, list[SequenceState]]]:
+        """Preempts the newest running sequences until the free-block estimate covers the others' next step."""
+        routes: list[tuple[Op, list[SequenceState]]] = []
+        free = self.stats.num_free_blocks
+        needed = sum(self._blocks_needed(s, min(self._remaining(s), 1)) for s in self.running)
+        while self.running and free < needed:
+            victim = self.running.pop()
+            needed -= self._blocks_needed(victim, min(self._remaining(victim), 1))
+            free += len(victim.block_table)
+            victim.request.num_preemptions += 1
+            swap = self.config.preemption_mode == "swap" and len(victim.block_table) <= self.stats.num_free_cpu_blocks
+            if swap:
+                routes.append((SwapOutOp([victim.seq_id]), [victim]))
+                victim.status = SeqStatus.SWAPPED
+                self.swapped.append(victim)
+                self.num_preemptions["swap"] += 1
+            else:
+                routes.append((FreeOp(victim.seq_id), [victim]))
+                self._requeue_for_recompute(victim)
+                self.num_preemptions["recompute"] += 1
+        return routes
+
+    def _requeue_for_recompute(self, seq: SequenceState) -> None:
+        """Back to the front of the queue; its prompt and output so far are prefilled again on admission."""
+        seq.status = SeqStatus.WAITING
+        seq.block_table = []
+        seq.num_computed = seq.num_known_to_manager = seq.num_committed = 0
+        self.waiting.appendleft(seq)
+
+    def _stop_reason(self, seq: SequenceState) -> FinishReason | None:
+        params = seq.request.params
+        token = seq.token_ids[-1]
+        if token in params.stop_token_ids or (not params.ignore_eos and token in seq.request.eos_token_ids):
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: SequenceState, reason: FinishReason) -> SequenceOutput:
+        if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPED):
+            self.pending.append(FreeOp(seq.seq_id))
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.request.metrics.finished = time.monotonic()
+        return SequenceOutput(seq.seq_id, seq.index, [], reason)
+
+    def _forget_if_done(self, request: Request) -> None:
+        if request.finished:
+            self.requests.pop(request.request_id, None)

@@ -1,0 +1,149 @@
+"""The engine end to end on a real (tiny, random-weight) model: scheduler, block-manager core, runner."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from pagedserve.services.common.errors import InvalidRequest, OutOfCapacity
+from pagedserve.services.frontend.engine import Engine
+from pagedserve.services.frontend.request import GenerationParams, Request
+
+EngineFactory = Callable[..., tuple[Engine, Any]]  # the make_engine fixture (tests/engine/conftest.py)
+
+rng = random.Random(0)
+PROMPTS = [[rng.randrange(2, 90) for _ in range(n)] for n in (3, 17, 9, 30, 1, 12)]
+
+
+def run(engine: Engine, prompts: list[list[int]], params: GenerationParams) -> tuple[list[Request], int]:
+    requests = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    peak_used = 0
+    while engine.has_work:
+        engine.step()
+        peak_used = max(peak_used, engine.scheduler.stats.num_used_blocks)
+    return requests, peak_used
+
+
+def outputs(requests: list[Request]) -> list[list[list[int]]]:
+    return [[s.output_token_ids for s in sorted(r.seqs, key=lambda s: s.index)] for r in requests]
+
+
+def assert_no_leak(engine: Engine, manager: object) -> None:
+    stats = manager.stats()  # type: ignore[attr-defined]
+    assert stats.num_used_blocks == 0 and stats.num_sequences == 0
+    manager.check_integrity()  # type: ignore[attr-defined]
+
+
+GREEDY = GenerationParams(max_tokens=20, ignore_eos=True)
+
+
+def test_greedy_batch_equals_hf_generate(make_engine: EngineFactory, tiny_llama_dir: object) -> None:
+    from transformers import LlamaForCausalLM
+
+    engine, manager = make_engine()
+    requests, _ = run(engine, PROMPTS, GREEDY)
+    hf = LlamaForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    for request in requests:
+        ids = torch.tensor([request.prompt_token_ids])
+        expected = hf.generate(ids, max_new_tokens=20, do_sample=False, min_new_tokens=20, pad_token_id=0)
+        assert request.seqs[0].output_token_ids == expected[0, ids.shape[1]:].tolist()
+    assert_no_leak(engine, manager)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_under_a_tiny_budget_keeps_greedy_output(make_engine: EngineFactory, mode: str) -> None:
+    reference, _ = run(make_engine()[0], PROMPTS, GREEDY)
+    engine, manager = make_engine(num_blocks=24, cpu_blocks=64, preemption_mode=mode)
+    requests, _ = run(engine, PROMPTS, GREEDY)
+    assert outputs(requests) == outputs(reference)
+    assert engine.scheduler.num_preemptions[mode] > 0
+    assert_no_leak(engine, manager)
+
+
+def test_chunked_prefill_keeps_output(make_engine: EngineFactory) -> None:
+    reference, _ = run(make_engine()[0], PROMPTS, GREEDY)
+    engine, manager = make_engine(max_num_batched_tokens=5)  # every prompt but the shortest is chunked
+    requests, _ = run(engine, PROMPTS, GREEDY)
+    assert outputs(requests) == outputs(reference)
+    assert_no_leak(engine, manager)
+
+
+def test_prefix_hit_output_equals_cold_output(make_engine: EngineFactory) -> None:
+    engine, manager = make_engine()
+    (cold,), _ = run(engine, [PROMPTS[3]], GREEDY)
+    (warm,), _ = run(engine, [PROMPTS[3]], GREEDY)
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 28  # 7 full blocks of 4, last token left
+    assert warm.seqs[0].output_token_ids == cold.seqs[0].output_token_ids
+    assert_no_leak(engine, manager)
+
+
+def test_parallel_samples_share_the_prompt_and_match_independent_seeded_requests(make_engine: EngineFactory) -> None:
+    params = GenerationParams(max_tokens=12, temperature=1.0, seed=1234, n=4, ignore_eos=True)
+    engine, manager = make_engine()
+    (request,), peak_shared = run(engine, [PROMPTS[3]], params)
+    samples = outputs([request])[0]
+    assert len({tuple(s) for s in samples}) > 1  # the samples diverge
+    assert manager.stats().num_cow_copies >= 3  # the shared partial tail was copied on write
+    for index, sample in enumerate(samples):  # sample i draws with seed + i, exactly like a lone request
+        lone_engine, _ = make_engine()
+        single = GenerationParams(max_tokens=12, temperature=1.0, seed=1234 + index, ignore_eos=True)
+        (lone,), peak_lone = run(lone_engine, [PROMPTS[3]], single)
+        assert lone.seqs[0].output_token_ids == sample
+    assert peak_shared < 4 * peak_lone
+    assert_no_leak(engine, manager)
+
+
+def test_same_seed_same_tokens_and_sampling_params_are_honoured(make_engine: EngineFactory) -> None:
+    params = GenerationParams(max_tokens=10, temperature=0.8, top_p=0.9, top_k=20, seed=7, ignore_eos=True)
+    first, _ = run(make_engine()[0], PROMPTS[:3], params)
+    second, _ = run(make_engine()[0], PROMPTS[:3], params)
+    assert outputs(first) == outputs(second)
+    other, _ = run(make_engine()[0], PROMPTS[:3], GenerationParams(max_tokens=10, temperature=0.8, seed=8,
+                                                                  ignore_eos=True))
+    assert outputs(other) != outputs(first)
+
+
+def test_stop_conditions(make_engine: EngineFactory) -> None:
+    engine, manager = make_engine()
+    (reference,), _ = run(engine, [PROMPTS[1]], GREEDY)
+    tokens = reference.seqs[0].output_token_ids
+    stop = GenerationParams(max_tokens=20, stop_token_ids=(tokens[4],), ignore_eos=True)
+    (stopped,), _ = run(engine, [PROMPTS[1]], stop)
+    first = tokens.index(tokens[4])
+    assert stopped.seqs[0].output_token_ids == tokens[: first + 1]
+    assert stopped.seqs[0].finish_reason is not None and stopped.seqs[0].finish_reason.value == "stop"
+    (short,), _ = run(engine, [PROMPTS[1]], GenerationParams(max_tokens=3, ignore_eos=True))
+    assert short.seqs[0].output_token_ids == tokens[:3] and short.seqs[0].finish_reason.value == "length"
+    assert_no_leak(engine, manager)
+
+
+def test_abort_frees_blocks_at_once(make_engine: EngineFactory) -> None:
+    engine, manager = make_engine()
+    engine.add_request("a", PROMPTS[3], GenerationParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", PROMPTS[1], GenerationParams(max_tokens=50, ignore_eos=True, n=3))
+    for _ in range(4):
+        engine.step()
+    assert manager.stats().num_used_blocks > 0
+    engine.abort("a")
+    engine.abort("b")
+    assert not engine.has_work
+    assert_no_leak(engine, manager)
+
+
+def test_requests_that_can_never_fit_are_rejected_up_front(make_engine: EngineFactory) -> None:
+    engine, _ = make_engine(num_blocks=24)
+    with pytest.raises(InvalidRequest, match="context"):
+        engine.add_request("long", [5] * 300, GREEDY)
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        engine.add_request("long2", [5] * 200, GenerationParams(max_tokens=100))
+    with pytest.raises(OutOfCapacity, match="needs up to"):
+        engine.add_request("big", [5] * 100, GenerationParams(max_tokens=100))
+    with pytest.raises(InvalidRequest, match="n: must be"):
+        engine.add_request("many", [5], GenerationParams(n=64))
+    with pytest.raises(InvalidRequest, match="token id 500"):
+        engine.add_request("vocab", [500], GREEDY)
+    assert not engine.has_work
