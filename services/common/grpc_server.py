@@ -141,11 +141,12 @@ async def serve_until_signalled(service: GrpcService, warm_up: Callable[[], Awai
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await service.start()
+    # the address is known (and health answers NOT_SERVING) before the warm-up, which may take a while
+    print(f"listening on {service.listen} (port {service.port})", flush=True)
     if warm_up is not None:
         await warm_up()
     await service.mark_serving()
     log.info("serving %s on %s", ", ".join(service.service_names), service.listen)
-    print(f"listening on {service.listen} (port {service.port})", flush=True)
     await stop.wait()
     log.info("stopping")
     await service.stop()

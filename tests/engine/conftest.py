@@ -6,35 +6,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
+from tiny_model import EOS, VOCAB
 
 from pagedserve.services.block_manager.manager import BlockManager
 from pagedserve.services.executor.engine_config import ExecutorConfig, build_runner
 from pagedserve.services.frontend.engine import Engine, EngineLimits, ModelIdentity
 from pagedserve.services.frontend.ports import LocalBlockManager, LocalExecutor
 from pagedserve.services.frontend.scheduler import Scheduler, SchedulerConfig
-
-VOCAB = 96
-EOS = 95
-
-
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=EOS, bos_token_id=1,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # sharper logits than the default init, so greedy choices are far from ties
-        model.lm_head.weight.mul_(8.0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path, safe_serialization=True)
-    return path
-
 
 EngineFactory = Callable[..., tuple[Engine, BlockManager]]
 

@@ -3,30 +3,29 @@
 from __future__ import annotations
 
 import signal
-import subprocess
 from collections.abc import Iterator
 
 import grpc
 import pytest
-from conftest import pagedserve_process
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagedserve.protos import block_manager_pb2 as pb
 from pagedserve.protos import block_manager_pb2_grpc as pb_grpc
+from pagedserve.services.common.processes import ServiceProcess, running_service
 
 NS = b"namespace-digest"
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[tuple[subprocess.Popen[str], str]]:
-    with pagedserve_process("block-manager", "--num-blocks", "8", "--block-size", "4", "--cpu-blocks", "4") as p:
-        yield p
+def server() -> Iterator[ServiceProcess]:
+    with running_service(["block-manager", "--num-blocks", "8", "--block-size", "4", "--cpu-blocks", "4"]) as s:
+        yield s
 
 
 @pytest.fixture
-def stub(server: tuple[subprocess.Popen[str], str]) -> Iterator[pb_grpc.BlockManagerStub]:
-    with grpc.insecure_channel(server[1]) as channel:
+def stub(server: ServiceProcess) -> Iterator[pb_grpc.BlockManagerStub]:
+    with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.BlockManagerStub(channel)
         stub.Reset(pb.ResetRequest())
         yield stub
@@ -135,8 +134,8 @@ def test_bad_input_is_invalid_argument_and_changes_nothing(
     assert stub.Stats(pb.StatsRequest()).stats == before  # nothing applied; the server keeps serving
 
 
-def test_health_and_reflection(server: tuple[subprocess.Popen[str], str]) -> None:
-    with grpc.insecure_channel(server[1]) as channel:
+def test_health_and_reflection(server: ServiceProcess) -> None:
+    with grpc.insecure_channel(server.address) as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
         assert status == health_pb2.HealthCheckResponse.SERVING
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -146,6 +145,14 @@ def test_health_and_reflection(server: tuple[subprocess.Popen[str], str]) -> Non
 
 
 def test_sigterm_stops_gracefully() -> None:
-    with pagedserve_process("block-manager", "--num-blocks", "4") as (proc, _):
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=15) == 0
+    with running_service(["block-manager", "--num-blocks", "4"]) as service:
+        service.proc.send_signal(signal.SIGTERM)
+        assert service.proc.wait(timeout=15) == 0
+
+
+def test_unix_socket_listen(tmp_path: object) -> None:
+    listen = f"unix:{tmp_path}/bm.sock"
+    with running_service(["block-manager", "--num-blocks", "4"], listen=listen) as service, \
+            grpc.insecure_channel(service.address) as channel:
+        stats = pb_grpc.BlockManagerStub(channel).Stats(pb.StatsRequest()).stats
+        assert stats.num_total_blocks == 4

@@ -1,0 +1,113 @@
+"""Run pagedserve services as child processes: start, wait until they listen and report SERVING, stop.
+
+Used by `pagedserve serve`, the benchmarks and the integration tests. A child is stopped by its own PID
+(SIGTERM, then SIGKILL after a grace period), never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+LISTENING = re.compile(r"listening on (\S+) \(port (\d+)\)")
+
+
+@dataclass
+class ServiceProcess:
+    proc: subprocess.Popen[str]
+    address: str
+    output: list[str] = field(default_factory=list)  # every line it printed (stdout and stderr)
+
+
+def start_service(
+    args: Sequence[str], listen: str = "127.0.0.1:0", timeout: float = 300.0, until_serving: bool = True
+) -> ServiceProcess:
+    """Starts `pagedserve ARGS --listen LISTEN`, waits until it listens (and, by default, is SERVING)."""
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve", *args, "--listen", listen],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    service = ServiceProcess(proc, "")
+    try:
+        service.address = _await_listening(service, listen, timeout)
+        threading.Thread(target=_drain, args=(service,), daemon=True).start()
+        if until_serving:
+            wait_serving(service.address, timeout, proc)
+    except BaseException:
+        stop_service(service)
+        raise
+    return service
+
+
+def stop_service(service: ServiceProcess, grace: float = 15.0) -> int:
+    proc = service.proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+@contextmanager
+def running_service(
+    args: Sequence[str], listen: str = "127.0.0.1:0", timeout: float = 300.0
+) -> Iterator[ServiceProcess]:
+    service = start_service(args, listen, timeout)
+    try:
+        yield service
+    finally:
+        stop_service(service)
+
+
+def wait_serving(address: str, timeout: float, proc: subprocess.Popen[str] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process exited with {proc.returncode} before serving")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"{address} not SERVING after {timeout}s")
+
+
+def _await_listening(service: ServiceProcess, listen: str, timeout: float) -> str:
+    proc = service.proc
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"pagedserve exited with {proc.returncode} before listening:\n{''.join(service.output)}")
+        service.output.append(line)
+        match = LISTENING.search(line)
+        if match:
+            return listen if listen.startswith("unix:") else f"127.0.0.1:{match.group(2)}"
+    raise TimeoutError(f"no 'listening on' line within {timeout}s:\n{''.join(service.output)}")
+
+
+def _drain(service: ServiceProcess) -> None:
+    """Keeps reading the child's output so it never blocks on a full pipe."""
+    assert service.proc.stdout is not None
+    for line in service.proc.stdout:
+        service.output.append(line)

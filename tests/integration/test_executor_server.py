@@ -1,0 +1,132 @@
+"""A real `pagedserve executor` process driven over gRPC: steps, bad inputs, health."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.protos import executor_pb2 as pb
+from pagedserve.protos import executor_pb2_grpc as pb_grpc
+from pagedserve.services.common.processes import ServiceProcess, running_service, start_service, stop_service
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def executor(tiny_llama_dir: Path) -> Iterator[ServiceProcess]:
+    args = ["executor", "--model", str(tiny_llama_dir), "--num-blocks", "32", "--block-size", str(BLOCK),
+            "--device", "cpu", "--cpu-swap-mib", "1"]
+    with running_service(args) as service:
+        yield service
+
+
+@pytest.fixture
+def stub(executor: ServiceProcess) -> Iterator[pb_grpc.ExecutorStub]:
+    with grpc.insecure_channel(executor.address) as channel:
+        yield pb_grpc.ExecutorStub(channel)
+
+
+def seq_step(seq_id: int, tokens: list[int], start: int, table: list[int], sample: bool = True) -> pb.SequenceStep:
+    slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + len(tokens))]
+    return pb.SequenceStep(seq_id=seq_id, token_ids=tokens, start_position=start, block_table=table,
+                           slot_mapping=slots, sample=sample, sampling=pb.SamplingParams(num_top_logprobs=3))
+
+
+def test_info_reports_the_cache_geometry(stub: pb_grpc.ExecutorStub) -> None:
+    info = stub.Info(pb.InfoRequest())
+    assert (info.num_blocks, info.block_size, info.vocab_size, info.kernel_backend) == (32, BLOCK, 96, "torch")
+    assert info.dtype == "float32" and info.num_cpu_blocks > 0 and info.model_digest.startswith("sha256:")
+
+
+def test_prefill_then_decode_match_hf_greedy(stub: pb_grpc.ExecutorStub, tiny_llama_dir: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    prompt = [5, 17, 42, 8, 9, 60]
+    hf = LlamaForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False, pad_token_id=0)[0, 6:].tolist()
+    table = [7, 3]  # non-contiguous blocks, in any order
+    token = stub.Execute(pb.ExecuteRequest(sequences=[seq_step(1, prompt, 0, table)])).tokens[0]
+    assert token.seq_id == 1 and token.token_id == expected[0]
+    assert token.top_token_ids[0] == token.token_id and token.logprob == pytest.approx(token.top_logprobs[0])
+    got = [token.token_id]
+    for position in (6, 7):
+        t = stub.Execute(pb.ExecuteRequest(sequences=[seq_step(1, [got[-1]], position, table)])).tokens[0]
+        got.append(t.token_id)
+    assert got == expected
+    # copy-on-write applies before the forward pass: a fork copied into block 9 continues identically
+    request = pb.ExecuteRequest(sequences=[seq_step(2, [got[-1]], 8, [7, 3, 9])],
+                                copies=[pb.BlockCopy(src=3, dst=9)])
+    forked = stub.Execute(request).tokens[0]
+    again = stub.Execute(pb.ExecuteRequest(sequences=[seq_step(1, [got[-1]], 8, [7, 3, 11])])).tokens[0]
+    assert forked.token_id == again.token_id
+
+
+BAD = [
+    (seq_step(1, [500], 0, [0]), "token id 500 outside the vocabulary"),
+    (seq_step(1, [5], 300, [0] * 80), "exceed the context"),
+    (seq_step(1, [5, 6], 0, [40]), "block_table: 40 outside"),
+    (pb.SequenceStep(seq_id=1, token_ids=[5, 6], block_table=[0], slot_mapping=[0]), "2 tokens"),
+    (pb.SequenceStep(seq_id=1, token_ids=[5], block_table=[0], slot_mapping=[3]), "not in its block"),
+    (pb.SequenceStep(seq_id=1, token_ids=[5, 6, 7, 8, 9], block_table=[0], slot_mapping=[0, 1, 2, 3, 4]),
+     "cannot hold"),
+    (pb.SequenceStep(seq_id=1, token_ids=[], block_table=[0]), "must not be empty"),
+]
+
+
+@pytest.mark.parametrize(("sequence", "message"), BAD)
+def test_bad_input_answers_invalid_argument(
+    stub: pb_grpc.ExecutorStub, sequence: pb.SequenceStep, message: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Execute(pb.ExecuteRequest(sequences=[sequence]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
+
+
+def test_bad_block_copies_and_swaps(stub: pb_grpc.ExecutorStub) -> None:
+    for request in (pb.ExecuteRequest(copies=[pb.BlockCopy(src=0, dst=32)]),
+                    pb.ExecuteRequest(swap_in=[pb.BlockCopy(src=10_000, dst=1)])):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Execute(request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside the cache" in info.value.details()
+    assert stub.Info(pb.InfoRequest()).num_blocks == 32  # still serving
+
+
+def test_swap_round_trip_preserves_the_cache(stub: pb_grpc.ExecutorStub) -> None:
+    prompt = [3, 4, 5, 6, 7]
+    first = stub.Execute(pb.ExecuteRequest(sequences=[seq_step(5, prompt, 0, [20, 21])])).tokens[0].token_id
+    stub.Execute(pb.ExecuteRequest(swap_out=[pb.BlockCopy(src=20, dst=0), pb.BlockCopy(src=21, dst=1)]))
+    stub.Execute(pb.ExecuteRequest(swap_in=[pb.BlockCopy(src=0, dst=25), pb.BlockCopy(src=1, dst=26)]))
+    after_swap = stub.Execute(pb.ExecuteRequest(sequences=[seq_step(5, [first], 5, [25, 26])])).tokens[0]
+    in_place = stub.Execute(pb.ExecuteRequest(sequences=[seq_step(5, [first], 5, [20, 21])])).tokens[0]
+    assert after_swap.token_id == in_place.token_id and after_swap.logprob == pytest.approx(in_place.logprob)
+
+
+def test_health_is_not_serving_until_the_model_is_loaded() -> None:
+    """SmolLM2 takes seconds to load: health must say NOT_SERVING, and Execute UNAVAILABLE, meanwhile."""
+    service = start_service(["executor", "--kv-cache-mib", "16", "--device", "cpu"], until_serving=False)
+    try:
+        address = service.address
+        seen = []
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            first = health.Check(health_pb2.HealthCheckRequest()).status
+            assert first == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as info:
+                pb_grpc.ExecutorStub(channel).Info(pb.InfoRequest())
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                seen.append(health.Check(health_pb2.HealthCheckRequest()).status)
+                if seen[-1] == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                time.sleep(0.2)
+            assert seen[-1] == health_pb2.HealthCheckResponse.SERVING
+            assert pb_grpc.ExecutorStub(channel).Info(pb.InfoRequest()).model == "smollm2-135m"
+    finally:
+        assert stop_service(service) == 0

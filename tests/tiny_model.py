@@ -1,0 +1,26 @@
+"""A tiny random-weight Llama: a real model (saved as safetensors, loaded by our loader) that runs in
+milliseconds, for tests of everything around the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+VOCAB = 96
+EOS = 95
+
+
+def save_tiny_llama(path: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=EOS, bos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # sharper logits than the default init, so greedy choices are far from ties
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
