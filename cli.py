@@ -16,6 +16,8 @@ COMMANDS = {
 }
 BENCHMARKS = {
     "blocks": ("pagedserve.benchmarks.blocks", "block-manager utilization and step latency"),
+    "executor": ("pagedserve.benchmarks.executor", "generation throughput vs HF transformers generate()"),
+    "kernels": ("pagedserve.benchmarks.kernels", "paged decode attention bandwidth and speed vs SDPA"),
 }
 
 

@@ -1,11 +1,16 @@
 """Shared fixtures. Real service processes come from pagedserve.services.common.processes."""
 
-from __future__ import annotations
-
+import os
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_model import save_tiny_llama
+
+# Triton's interpreter must be chosen before anything imports triton (the executor tests import the
+# kernels too): on a machine without a GPU every Triton kernel in the test session runs interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -7,11 +7,28 @@ decoration time), hence at import of this conftest, before any test module impor
 from __future__ import annotations
 
 import os
+import sys
 
+import pytest
 import torch
 
+INTERPRETER_UNUSABLE: str | None = None
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    if "triton" in sys.modules and type(sys.modules["triton"].language.max).__name__ != "InterpretedFunction":
+        # Triton's own library functions (tl.max, tl.sum, ...) were decorated for compilation when it was
+        # imported, so the interpreter can no longer run any kernel in this process.
+        INTERPRETER_UNUSABLE = (
+            "triton was imported before tests/kernels/conftest.py could enable its interpreter (a test package "
+            "collected earlier imports pagedserve.kernels). Set TRITON_INTERPRET=1 when no CUDA GPU is visible "
+            "in tests/conftest.py, before anything imports triton."
+        )
+
+
+@pytest.fixture(autouse=True)
+def _usable_triton() -> None:
+    if INTERPRETER_UNUSABLE is not None:
+        pytest.fail(INTERPRETER_UNUSABLE)
 
 
 def _patch_interpreter_bf16_dot() -> None:

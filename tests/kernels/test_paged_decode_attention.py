@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import zlib
 
 import pytest
@@ -116,3 +117,18 @@ def test_launcher_rejects_bad_inputs() -> None:
     with pytest.raises(AssertionError, match="divisible"):
         q3 = torch.zeros(1, 3, 64, dtype=torch.float16, device=DEVICE)
         paged_decode_attention(q3, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_mixes_match_reference(seed: int) -> None:
+    """Combinations the one-axis variants above do not reach: random shape, dtype, split and lengths."""
+    rng = random.Random(seed)
+    dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+    group, block_size = rng.choice([1, 2, 3, 4, 8]), rng.choice([8, 16, 32])
+    head_dim, num_splits = rng.choice([64, 128]), rng.choice([1, 2, 3, 5])
+    seq_lens = [rng.randint(1, 150) for _ in range(rng.randint(1, 5))]
+    gen = torch.Generator().manual_seed(seed)
+    kv = make_paged_kv(seq_lens, NUM_KV_HEADS, head_dim, block_size, dtype, generator=gen)
+    q = strided_queries(len(seq_lens), NUM_KV_HEADS * group, head_dim, dtype, gen)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, head_dim**-0.5)
+    assert_close(paged_decode_attention(*args, num_splits=num_splits), paged_decode_attention_ref(*args), dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import zlib
 
 import pytest
@@ -83,3 +84,19 @@ def test_launcher_rejects_bad_inputs() -> None:
         paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, cu_seqlens([5]).long(), kv.seq_lens, 0.1)
     with pytest.raises(AssertionError, match="cu_seqlens_q"):
         paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, cu_seqlens([2, 3]), kv.seq_lens, 0.1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_mixes_match_reference(seed: int) -> None:
+    """Combinations the one-axis variants above do not reach: random shape, dtype, prefixes and chunks."""
+    rng = random.Random(seed)
+    dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+    group, block_size, head_dim = rng.choice([1, 2, 3, 4, 8]), rng.choice([8, 16, 32]), rng.choice([64, 128])
+    prefixes = [rng.choice([0, rng.randint(1, 80)]) for _ in range(rng.randint(1, 4))]
+    q_lens = [rng.randint(1, 40) for _ in prefixes]
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [p + n for p, n in zip(prefixes, q_lens, strict=True)]
+    kv = make_paged_kv(seq_lens, NUM_KV_HEADS, head_dim, block_size, dtype, generator=gen)
+    q = strided_queries(sum(q_lens), NUM_KV_HEADS * group, head_dim, dtype, gen)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu_seqlens(q_lens), kv.seq_lens, head_dim**-0.5)
+    assert_close(paged_prefill_attention(*args), paged_prefill_attention_ref(*args), dtype)

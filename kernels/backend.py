@@ -1,0 +1,116 @@
+"""The explicit choice between the Triton kernels and their torch references.
+
+The executor asks for one backend once (`get_backend("triton")` on CUDA, `get_backend("torch")` on the
+CPU) and calls it for every layer. There is no silent fallback: asking for Triton where it cannot run
+raises at once, with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from ._triton import TRITON_AVAILABLE
+from .block_copy import copy_blocks, copy_blocks_ref
+from .cache_write import cache_write, cache_write_ref
+from .paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
+from .paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+
+BackendName = Literal["triton", "torch"]
+
+
+class DecodeAttentionFn(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+        seq_lens: torch.Tensor,  # [num_seqs] int32
+        scale: float,
+        *,
+        max_seq_len: int | None = None,
+    ) -> torch.Tensor: ...  # [num_seqs, num_heads, head_dim]
+
+
+class PrefillAttentionFn(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+        cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+        seq_lens: torch.Tensor,  # [num_seqs] int32
+        scale: float,
+        *,
+        max_query_len: int | None = None,
+    ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
+
+
+class CacheWriteFn(Protocol):
+    def __call__(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None: ...
+
+
+class CopyBlocksFn(Protocol):
+    def __call__(self, caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """The four paged-cache ops the executor calls; shapes as in each op's module docstring."""
+
+    name: BackendName
+    decode_attention: DecodeAttentionFn
+    prefill_attention: PrefillAttentionFn
+    cache_write: CacheWriteFn
+    copy_blocks: CopyBlocksFn
+
+
+TRITON_BACKEND = KernelBackend(
+    name="triton",
+    decode_attention=paged_decode_attention,
+    prefill_attention=paged_prefill_attention,
+    cache_write=cache_write,
+    copy_blocks=copy_blocks,
+)
+TORCH_BACKEND = KernelBackend(
+    name="torch",
+    decode_attention=paged_decode_attention_ref,
+    prefill_attention=paged_prefill_attention_ref,
+    cache_write=cache_write_ref,
+    copy_blocks=copy_blocks_ref,
+)
+
+
+def triton_unavailable_reason() -> str | None:
+    """Why the Triton backend cannot run here, or None when it can (a CUDA GPU, or the interpreter)."""
+    if not TRITON_AVAILABLE:
+        return "the triton package is not installed"
+    from ._triton import triton
+
+    if not torch.cuda.is_available() and not triton.knobs.runtime.interpret:
+        return "no CUDA GPU is visible (set TRITON_INTERPRET=1 only to test kernels on the CPU)"
+    return None
+
+
+def get_backend(name: BackendName) -> KernelBackend:
+    """The backend called `name`; raises RuntimeError when "triton" cannot run on this machine."""
+    if name == "torch":
+        return TORCH_BACKEND
+    if name == "triton":
+        reason = triton_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"kernel backend 'triton' is unavailable: {reason}; use get_backend('torch')")
+        return TRITON_BACKEND
+    raise ValueError(f"unknown kernel backend {name!r}: expected 'triton' or 'torch'")
