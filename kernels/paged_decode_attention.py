@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._common import ATTENTION_DTYPES, check_block_tables, check_kv_cache, gather_kv, num_sms, sequence_blocks
+from ._common import ATTENTION_DTYPES, check_block_tables, check_kv_cache, num_sms
 from ._triton import tl, triton
 
 # Keys per tile; a tile may span several cache blocks (each row gathers its own block id). 32 keeps every
@@ -277,22 +277,29 @@ def paged_decode_attention_ref(
     *,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Torch reference and CPU path: per sequence, gather its blocks and run SDPA in fp32.
+    """Torch reference and CPU path: gather every sequence's blocks into one padded batch and run a single
+    masked SDPA in fp32 (one call for the whole batch, not one per sequence: this is the CPU serving path).
 
-    `max_seq_len` is accepted for signature parity with the Triton launcher and not needed here.
+    `max_seq_len`, when given, must be at least the longest sequence; it only saves a reduction.
     """
     num_seqs, num_heads, _ = q.shape
     cache = check_kv_cache(k_cache, v_cache)
     check_block_tables(block_tables, seq_lens, num_seqs)
-    out = torch.zeros_like(q)
-    for seq, seq_len in enumerate(seq_lens.tolist()):
-        if seq_len == 0:
-            continue
-        block_ids = sequence_blocks(block_tables, seq, seq_len, cache.block_size)
-        # [num_kv_heads, seq_len, head_dim]
-        k = gather_kv(k_cache, block_ids, seq_len).transpose(0, 1).float()
-        v = gather_kv(v_cache, block_ids, seq_len).transpose(0, 1).float()
-        q_seq = q[seq].unsqueeze(1).float()  # [num_heads, 1, head_dim]
-        gqa = num_heads != cache.num_kv_heads
-        out[seq] = F.scaled_dot_product_attention(q_seq, k, v, scale=scale, enable_gqa=gqa).squeeze(1)
-    return out
+    lens = seq_lens.long()
+    max_len = int(lens.max()) if max_seq_len is None and num_seqs else (max_seq_len or 0)
+    if max_len == 0:
+        return torch.zeros_like(q)
+    num_used = -(-max_len // cache.block_size)
+    # entries past a sequence's own blocks are arbitrary: clamp them to a valid id, the mask hides them
+    tables = block_tables[:, :num_used].long().clamp(0, k_cache.shape[0] - 1)  # [num_seqs, num_used]
+    visible = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [num_seqs, max_len]
+    # slots past a sequence's length may hold anything, NaN included: zero them (0 * NaN would leak)
+    hidden = ~visible[:, :, None, None]
+    # [num_seqs, num_kv_heads, max_len, head_dim]
+    k = k_cache[tables].flatten(1, 2)[:, :max_len].masked_fill(hidden, 0).transpose(1, 2).float()
+    v = v_cache[tables].flatten(1, 2)[:, :max_len].masked_fill(hidden, 0).transpose(1, 2).float()
+    out = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2), k, v, attn_mask=visible[:, None, None, :], scale=scale,
+        enable_gqa=num_heads != cache.num_kv_heads,
+    ).squeeze(2)  # [num_seqs, num_heads, head_dim]
+    return torch.where((lens > 0)[:, None, None], out, 0.0).to(q.dtype)
