@@ -134,8 +134,9 @@ def step_cost_rpc(num_seqs: int, steps: int, prompt_len: int, block_size: int) -
         stub = pb_grpc.BlockManagerStub(channel)
         setup = []
         for seq_id in range(num_seqs):
-            setup.append(pb.Op(create=pb.Create(seq_id=seq_id, token_ids=[1] * prompt_len, cache_namespace=NAMESPACE)))
-            setup.append(pb.Op(reserve=pb.Reserve(seq_id=seq_id, num_tokens=prompt_len)))
+            tokens = [1] * prompt_len
+            setup.append(pb.Op(admit=pb.Admit(seq_id=seq_id, token_ids=tokens, cache_namespace=NAMESPACE,
+                                              num_tokens=prompt_len)))
         stub.Step(pb.StepRequest(ops=setup))
         seq_ids = list(range(num_seqs))
         samples = []

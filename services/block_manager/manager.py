@@ -226,11 +226,15 @@ class BlockManager:
         if len(seq_ids) != len(token_ids):
             raise ValueError(f"decode: {len(seq_ids)} sequences but {len(token_ids)} tokens")
         pool, bs, seqs = self.pool, self.block_size, self.seqs
-        result = DecodeResult([], [], [], [])
-        for seq_id, token in zip(seq_ids, token_ids, strict=True):
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"decode: duplicate sequence ids in {list(seq_ids)}")
+        for seq_id in seq_ids:  # all checked before any changes
             seq = seqs.get(seq_id)
             if seq is None or seq.cpu_table is not None:
                 raise ValueError(f"decode: sequence {seq_id} is unknown or swapped out")
+        result = DecodeResult([], [], [], [])
+        for seq_id, token in zip(seq_ids, token_ids, strict=True):
+            seq = seqs[seq_id]
             num_slots, table = seq.num_slots, seq.block_table
             if seq.num_computed != num_slots:
                 seq.num_computed = num_slots
@@ -345,7 +349,8 @@ class BlockManager:
                 if cached is not None:
                     reuse[cpu_id] = cached
         to_copy = [cpu_id for cpu_id in src_slots if cpu_id not in reuse]
-        needed = len(to_copy) + sum(1 for block in reuse.values() if block.ref_count == 0)
+        revived = {block.block_id for block in reuse.values() if block.ref_count == 0}  # one block may serve two
+        needed = len(to_copy) + len(revived)
         if needed > self._budget(admission=True):
             return REFUSED_SWAP
         dst: dict[int, KVBlock] = {}

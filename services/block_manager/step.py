@@ -92,7 +92,10 @@ class _Shadow:
     num_known: int
     num_slots: int
     num_computed: int
-    admitted: bool = False  # admitted in this step: its slot count depends on prefix hits, so no more ops
+    # Why no later op of this step may name the sequence: after a reservation, the executor writes its new
+    # slots only after every copy, swap and free of the step, so a later fork, swap-out or free would see
+    # (or hand out) blocks whose contents are not there yet; after a create, its slot count is unknown.
+    sealed: str = ""
 
 
 class _Validator:
@@ -112,19 +115,13 @@ class _Validator:
             if seq is not None:
                 shadow = _Shadow(seq.is_swapped, len(seq.token_ids), seq.num_slots, seq.num_computed)
             if shadow is not None and seq_id in self.decoded_once:
-                self.decoded_once.discard(seq_id)
-                shadow.num_computed = shadow.num_slots
-                shadow.num_known += 1
-                shadow.num_slots += 1
+                shadow.sealed = "reserved slots (decode)"
             self.shadows[seq_id] = shadow
         return self.shadows[seq_id]
 
     def decode(self, seq_id: int, where: str) -> None:
         if seq_id in self.shadows or seq_id in self.decoded_once:
-            seq = self.existing(seq_id, where)
-            seq.num_computed = seq.num_slots
-            seq.num_known += 1
-            seq.num_slots += 1
+            self.existing(seq_id, where).sealed = "reserved slots (decode)"  # raises if sealed already
             return
         state = self.manager.seqs.get(seq_id)
         if state is None or state.cpu_table is not None:
@@ -135,8 +132,9 @@ class _Validator:
         shadow = self.shadow(seq_id)
         if shadow is None:
             raise InvalidStep(f"{where}: unknown sequence {seq_id}")
-        if shadow.admitted and resident is not None:
-            raise InvalidStep(f"{where}: sequence {seq_id} was admitted in this step and takes no other op but free")
+        if shadow.sealed:
+            raise InvalidStep(f"{where}: sequence {seq_id} {shadow.sealed} earlier in this step; no other op may"
+                              f" name it until the next step")
         if resident is not None and shadow.swapped == resident:
             raise InvalidStep(f"{where}: sequence {seq_id} is {'swapped out' if resident else 'not swapped out'}")
         return shadow
@@ -161,12 +159,12 @@ class _Validator:
         match op:
             case CreateOp():
                 self.check_new_sequence(op.seq_id, op.token_ids, op.cache_namespace, f"{at}.create")
-                self.shadows[op.seq_id] = _Shadow(False, len(op.token_ids), 0, 0)
+                self.shadows[op.seq_id] = _Shadow(False, len(op.token_ids), 0, 0, sealed="was created")
             case AdmitOp():
                 self.check_new_sequence(op.seq_id, op.token_ids, op.cache_namespace, f"{at}.admit")
                 if op.max_tokens <= 0:
                     raise InvalidStep(f"{at}.admit.num_tokens: must be positive, got {op.max_tokens}")
-                self.shadows[op.seq_id] = _Shadow(False, len(op.token_ids), 0, 0, admitted=True)
+                self.shadows[op.seq_id] = _Shadow(False, len(op.token_ids), 0, 0, sealed="was admitted")
             case ForkOp():
                 parent = self.existing(op.parent_seq_id, f"{at}.fork.parent_seq_id")
                 self.absent(op.child_seq_id, f"{at}.fork.child_seq_id")
@@ -181,6 +179,7 @@ class _Validator:
                         f" known tokens of sequence {op.seq_id} without a slot"
                     )
                 seq.num_slots += op.num_tokens
+                seq.sealed = "reserved slots"
             case CommitOp():
                 seq = self.existing(op.seq_id, f"{at}.commit.seq_id")
                 if not seq.num_computed <= op.num_computed_tokens <= seq.num_slots:
@@ -232,12 +231,15 @@ def _apply(manager: BlockManager, op: Op, refused: set[int]) -> OpOutcome:
         if op.seq_id in manager.seqs:
             manager.free(op.seq_id)
         return OpOutcome()
-    if isinstance(op, DecodeOp) and refused:  # decode the others; the blocked ones count as refused
-        keep = [i for i, seq_id in enumerate(op.seq_ids) if seq_id not in refused]
+    if isinstance(op, DecodeOp):  # per sequence: the ones an earlier refusal blocked count as refused
         skipped = [seq_id for seq_id in op.seq_ids if seq_id in refused]
-        outcome = _apply(manager, DecodeOp([op.seq_ids[i] for i in keep], [op.token_ids[i] for i in keep]), refused)
-        outcome.refused_seq_ids = skipped + outcome.refused_seq_ids
-        return outcome
+        if skipped:
+            keep = [i for i, seq_id in enumerate(op.seq_ids) if seq_id not in refused]
+            op = DecodeOp([op.seq_ids[i] for i in keep], [op.token_ids[i] for i in keep])
+        decoded = manager.decode(op.seq_ids, op.token_ids)
+        refused.update(decoded.refused_seq_ids)
+        return OpOutcome(deltas=decoded.deltas, slot_mapping=decoded.slot_mapping, copies=decoded.copies,
+                         refused_seq_ids=skipped + decoded.refused_seq_ids)
     subjects = _subjects(op)
     blocked = refused.intersection(subjects)
     if blocked:
@@ -273,13 +275,6 @@ def _apply(manager: BlockManager, op: Op, refused: set[int]) -> OpOutcome:
         case CommitOp():
             manager.commit(op.seq_id, op.num_computed_tokens)
             return OpOutcome()
-        case DecodeOp():
-            decoded = manager.decode(op.seq_ids, op.token_ids)
-            refused.update(decoded.refused_seq_ids)
-            return OpOutcome(
-                deltas=decoded.deltas, slot_mapping=decoded.slot_mapping, copies=decoded.copies,
-                refused_seq_ids=decoded.refused_seq_ids,
-            )
         case SwapOutOp():
             result = manager.swap_out(op.seq_ids)
             if not result.granted:

@@ -82,9 +82,9 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt], params: GenerationParams | None = None, *, progress: bool = True
     ) -> list[Completion]:
         """Completes each prompt (text, or token ids); results in the prompts' order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        token_lists = [self._encode(p) for p in prompts]  # type: ignore[union-attr]
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item, arg-type]
+        token_lists = [self._encode(p) for p in batch]
         return self._run(token_lists, params or GenerationParams(), progress)
 
     def chat(
@@ -123,8 +123,8 @@ class LLM:
         for seq in sorted(request.seqs, key=lambda s: s.index):
             ids = seq.output_token_ids
             reason = (seq.finish_reason or FinishReason.ABORT).value
-            outputs.append(CompletionOutput(seq.index, self.tokenizer.decode(ids, skip_special_tokens=True), ids,
-                                            reason, list(seq.logprobs)))
+            text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
+            outputs.append(CompletionOutput(seq.index, text, ids, reason, list(seq.logprobs)))
         return Completion(list(request.prompt_token_ids), outputs, request.num_cached_tokens, request.num_preemptions)
 
     def stats(self) -> dict[str, Any]:

@@ -35,6 +35,14 @@ def create(seq_id: int, tokens: list[int], ns: bytes = NS) -> pb.Op:
     return pb.Op(create=pb.Create(seq_id=seq_id, token_ids=tokens, cache_namespace=ns))
 
 
+def admit(seq_id: int, tokens: list[int], num_tokens: int) -> pb.Op:
+    return pb.Op(admit=pb.Admit(seq_id=seq_id, token_ids=tokens, cache_namespace=NS, num_tokens=num_tokens))
+
+
+def free(seq_id: int) -> pb.Op:
+    return pb.Op(free=pb.Free(seq_id=seq_id))
+
+
 def reserve(seq_id: int, n: int, append: list[int] | None = None, admission: bool = False) -> pb.Op:
     return pb.Op(reserve=pb.Reserve(seq_id=seq_id, num_tokens=n, append_token_ids=append or [], admission=admission))
 
@@ -44,13 +52,13 @@ def commit(seq_id: int, n: int) -> pb.Op:
 
 
 def test_batched_steps_prefill_decode_fork_cow_swap_free(stub: pb_grpc.BlockManagerStub) -> None:
-    r = stub.Step(pb.StepRequest(ops=[create(1, [1, 2, 3, 4, 5, 6]), reserve(1, 6, admission=True)]))
-    assert [x.status for x in r.results] == [pb.GRANTED, pb.GRANTED]
-    assert list(r.results[1].slot_mapping) == [0, 1, 2, 3, 4, 5]
-    assert [(d.seq_id, d.keep, list(d.append)) for d in r.results[1].deltas] == [(1, 0, [0, 1])]
+    r = stub.Step(pb.StepRequest(ops=[admit(1, [1, 2, 3, 4, 5, 6], 6)]))
+    assert [x.status for x in r.results] == [pb.GRANTED]
+    assert list(r.results[0].slot_mapping) == [0, 1, 2, 3, 4, 5]
+    assert [(d.seq_id, d.keep, list(d.append)) for d in r.results[0].deltas] == [(1, 0, [0, 1])]
     assert r.stats.num_used_blocks == 2 and r.stats.num_free_blocks == 6
 
-    # a decode step for the parent plus a fork whose first write copies the shared tail
+    # a fork whose first write copies the shared tail, plus a decode step for the parent
     r = stub.Step(pb.StepRequest(ops=[
         commit(1, 6),
         pb.Op(fork=pb.Fork(parent_seq_id=1, child_seq_id=2)),
@@ -64,8 +72,10 @@ def test_batched_steps_prefill_decode_fork_cow_swap_free(stub: pb_grpc.BlockMana
     assert r.stats.num_cow_copies == 1
 
     # a second prompt with the same first block hits the prefix cache
-    r = stub.Step(pb.StepRequest(ops=[create(3, [1, 2, 3, 4, 9]), reserve(3, 1, admission=True)]))
-    assert r.results[0].num_cached_tokens == 4 and list(r.results[0].deltas[0].append) == [0]
+    r = stub.Step(pb.StepRequest(ops=[admit(3, [1, 2, 3, 4, 9], 8)]))
+    (delta,) = r.results[0].deltas
+    assert r.results[0].num_cached_tokens == 4 and delta.append[0] == 0
+    assert list(r.results[0].slot_mapping) == [delta.append[1] * 4]
 
     r = stub.Step(pb.StepRequest(ops=[pb.Op(swap_out=pb.SwapOut(seq_ids=[1, 2]))]))
     assert r.results[0].status == pb.GRANTED and len(r.results[0].swap_out) == 3
@@ -77,55 +87,65 @@ def test_batched_steps_prefill_decode_fork_cow_swap_free(stub: pb_grpc.BlockMana
 
 
 def test_refusal_is_per_op_and_later_ops_on_that_sequence_are_skipped(stub: pb_grpc.BlockManagerStub) -> None:
-    r = stub.Step(pb.StepRequest(ops=[
-        create(1, list(range(40))),
-        reserve(1, 40),  # 10 blocks of 4: more than the 8 the server has
-        commit(1, 0),
-        create(2, [1, 2]),
-        reserve(2, 2),
-    ]))
-    statuses = [x.status for x in r.results]
-    assert statuses == [pb.GRANTED, pb.REFUSED, pb.REFUSED, pb.GRANTED, pb.GRANTED]
-    assert "needs 10 free blocks, 8 free" in r.results[1].reason
-    assert "earlier op on sequence 1" in r.results[2].reason
-    assert r.stats.num_used_blocks == 1
+    r = stub.Step(pb.StepRequest(ops=[admit(1, list(range(40)), 40), admit(2, [1, 2], 2)]))
+    assert [x.status for x in r.results] == [pb.REFUSED, pb.GRANTED]  # 10 blocks of 4: more than the 8 there are
+    assert "admission needs more than the 8 free blocks" in r.results[0].reason
+    stub.Step(pb.StepRequest(ops=[free(2), admit(3, [5] * 8, 8)]))
+    stub.Step(pb.StepRequest(ops=[pb.Op(swap_out=pb.SwapOut(seq_ids=[3]))]))
+    stub.Step(pb.StepRequest(ops=[admit(5, [7] * 28, 28)]))  # 7 of the 8 blocks: seq 3 needs 2 to come back
+    r = stub.Step(pb.StepRequest(ops=[pb.Op(swap_in=pb.SwapIn(seq_ids=[3])), reserve(3, 1, [9])]))
+    assert [x.status for x in r.results] == [pb.REFUSED, pb.REFUSED]
+    assert "too few to swap in" in r.results[0].reason and "earlier op on sequence 3" in r.results[1].reason
 
 
 def test_decode_op_batches_a_whole_step(stub: pb_grpc.BlockManagerStub) -> None:
-    ops = [create(1, [1, 2, 3, 4]), reserve(1, 4), create(2, [5, 6, 7]), reserve(2, 3)]
+    ops = [admit(1, [1, 2, 3, 4], 4), admit(2, [5, 6, 7], 3)]
     stub.Step(pb.StepRequest(ops=ops))
     decode = pb.Op(decode=pb.Decode(seq_ids=[1, 2], token_ids=[9, 9]))
     r = stub.Step(pb.StepRequest(ops=[decode])).results[0]
     assert r.status == pb.GRANTED and list(r.slot_mapping) == [8, 7] and list(r.refused_seq_ids) == []
     assert [(d.seq_id, d.keep, list(d.append)) for d in r.deltas] == [(1, 1, [2])]
     # fill the cache, then decode again: seq 1 has room in its tail, seq 2's is full and it is refused
-    stub.Step(pb.StepRequest(ops=[create(3, [1] * 20), reserve(3, 20)]))
+    stub.Step(pb.StepRequest(ops=[admit(3, [1] * 20, 20)]))
     r = stub.Step(pb.StepRequest(ops=[pb.Op(decode=pb.Decode(seq_ids=[1, 2], token_ids=[7, 7]))])).results[0]
     assert list(r.refused_seq_ids) == [2] and list(r.slot_mapping) == [9]
 
 
+SEQ1 = [create(1, [1, 2])]  # a setup step: sequence 1 exists, 2 known tokens, no slots
+SEQ1_RESERVED = [admit(1, [1, 2, 3], 2)]  # 3 known tokens, 2 slots
 BAD_STEPS = [
-    ([pb.Op(decode=pb.Decode(seq_ids=[1, 2], token_ids=[3]))], "ops[0].decode: seq_ids must be distinct"),
-    ([pb.Op(decode=pb.Decode(seq_ids=[77], token_ids=[3]))], "ops[0].decode.seq_ids: unknown sequence 77"),
-    ([pb.Op()], "ops[0]: no operation set"),
-    ([reserve(99, 1)], "ops[0].reserve.seq_id: unknown sequence 99"),
-    ([create(1, [])], "ops[0].create.token_ids: must not be empty"),
-    ([create(1, [-5])], "ops[0].create.token_ids: token id -5"),
-    ([create(1, [1], ns=b"short")], "ops[0].create.cache_namespace"),
-    ([create(1, [1]), create(1, [2])], "ops[1].create.seq_id: sequence 1 already exists"),
-    ([create(1, [1, 2]), reserve(1, 3)], "ops[1].reserve.num_tokens"),
-    ([create(1, [1, 2]), reserve(1, 1), commit(1, 2)], "ops[2].commit.num_computed_tokens"),
-    ([create(1, [1]), pb.Op(free=pb.Free(seq_id=1)), pb.Op(free=pb.Free(seq_id=1))], "ops[2].free.seq_id"),
-    ([create(1, [1]), pb.Op(swap_in=pb.SwapIn(seq_ids=[1]))], "is not swapped out"),
-    ([create(1, [1]), pb.Op(swap_out=pb.SwapOut(seq_ids=[1, 1]))], "non-empty and distinct"),
-    ([pb.Op(fork=pb.Fork(parent_seq_id=5, child_seq_id=6))], "ops[0].fork.parent_seq_id"),
+    ([], [pb.Op(decode=pb.Decode(seq_ids=[1, 2], token_ids=[3]))], "ops[0].decode: seq_ids must be distinct"),
+    ([], [pb.Op(decode=pb.Decode(seq_ids=[77], token_ids=[3]))], "ops[0].decode.seq_ids: unknown sequence 77"),
+    ([], [pb.Op()], "ops[0]: no operation set"),
+    ([], [reserve(99, 1)], "ops[0].reserve.seq_id: unknown sequence 99"),
+    ([], [create(1, [])], "ops[0].create.token_ids: must not be empty"),
+    ([], [create(1, [-5])], "ops[0].create.token_ids: token id -5"),
+    ([], [create(1, [1], ns=b"short")], "ops[0].create.cache_namespace"),
+    ([], [admit(1, [1], 0)], "ops[0].admit.num_tokens: must be positive"),
+    (SEQ1, [create(1, [2])], "ops[0].create.seq_id: sequence 1 already exists"),
+    (SEQ1, [reserve(1, 3)], "ops[0].reserve.num_tokens"),
+    (SEQ1_RESERVED, [commit(1, 3)], "ops[0].commit.num_computed_tokens"),
+    (SEQ1, [free(1), free(1)], "ops[1].free.seq_id"),
+    (SEQ1, [pb.Op(swap_in=pb.SwapIn(seq_ids=[1]))], "is not swapped out"),
+    (SEQ1, [pb.Op(swap_out=pb.SwapOut(seq_ids=[1, 1]))], "non-empty and distinct"),
+    ([], [pb.Op(fork=pb.Fork(parent_seq_id=5, child_seq_id=6))], "ops[0].fork.parent_seq_id"),
+    # within one step, a sequence that reserved slots takes no further op: the executor writes those slots
+    # after the step's copies, swaps and frees, so a fork, swap-out or free would see them empty
+    (SEQ1_RESERVED, [reserve(1, 1), pb.Op(fork=pb.Fork(parent_seq_id=1, child_seq_id=2))],
+     "ops[1].fork.parent_seq_id: sequence 1 reserved slots earlier in this step"),
+    (SEQ1_RESERVED, [reserve(1, 1), pb.Op(swap_out=pb.SwapOut(seq_ids=[1]))], "reserved slots earlier"),
+    (SEQ1_RESERVED, [reserve(1, 1), free(1)], "ops[1].free.seq_id: sequence 1 reserved slots earlier"),
+    (SEQ1_RESERVED, [pb.Op(decode=pb.Decode(seq_ids=[1], token_ids=[4])), reserve(1, 1)], "(decode)"),
+    ([], [create(1, [1, 2]), reserve(1, 1)], "ops[1].reserve.seq_id: sequence 1 was created earlier"),
 ]
 
 
-@pytest.mark.parametrize(("ops", "message"), BAD_STEPS)
+@pytest.mark.parametrize(("setup", "ops", "message"), BAD_STEPS)
 def test_bad_input_is_invalid_argument_and_changes_nothing(
-    stub: pb_grpc.BlockManagerStub, ops: list[pb.Op], message: str
+    stub: pb_grpc.BlockManagerStub, setup: list[pb.Op], ops: list[pb.Op], message: str
 ) -> None:
+    if setup:
+        assert all(r.status == pb.GRANTED for r in stub.Step(pb.StepRequest(ops=setup)).results)
     before = stub.Stats(pb.StatsRequest()).stats
     with pytest.raises(grpc.RpcError) as info:
         stub.Step(pb.StepRequest(ops=ops))

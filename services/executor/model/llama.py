@@ -1,0 +1,126 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) over a flat token batch and a paged KV cache.
+
+Tokens of all sequences are concatenated, with no padding and no batch dimension, as in vLLM: prefill
+chunks first, then one token per decoding sequence, in the order `AttentionMetadata` describes. Every
+attention layer goes through `paged_attention`, so a prefix already in the cache is never recomputed.
+Q/K/V and gate/up are each one Linear (fused by the loaders), so a layer runs four matmuls, not seven.
+Norms and residual sums follow transformers' order, so fp32 results match it to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ....kernels import KernelBackend
+from ..attention import AttentionMetadata, paged_attention
+from .config import ModelConfig
+from .rope import RopeTables, RotaryEmbedding, apply_rope
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
+        # In fp32 whatever the model dtype, cast back before the weight: transformers' LlamaRMSNorm.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.backend = backend
+
+    def forward(
+        self,
+        rope: RopeTables,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, k, rope)
+        k_cache, v_cache = kv_cache
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.backend, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, rope: RopeTables, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        x = x + self.self_attn(rope, self.input_layernorm(x), meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names are those of transformers with q/k/v fused into `qkv_proj` (rows in q, k, v order)
+    and gate/up into `gate_up_proj` (gate rows first); `lm_head` is absent when embeddings are tied."""
+
+    def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],  # one per layer
+    ) -> torch.Tensor:  # [num_tokens, hidden], after the final norm
+        assert len(kv_caches) == len(self.layers), f"{len(kv_caches)} KV caches for {len(self.layers)} layers"
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        rope = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(rope, x, meta, kv_cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
