@@ -4,13 +4,14 @@ For batch sizes 1, 8 and 32, the same prompts (a fixed set of short texts) and t
 tokens (EOS ignored) run through `pagedserve.LLM` (paged KV cache, continuous batching, CPU torch path)
 and through HF `generate()` on the same weights (greedy, one left-padded static batch). Tokens/s is
 generated tokens over the wall time of the whole call, prefill included, measured side by side in one
-process with the same torch thread count.
+process with the same torch thread count, alternating the two sides `--repeats` times (medians reported).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs per side; medians are reported")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -77,17 +79,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     folder = source.path.parent if source.kind == "gguf" else source.path
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **hf_kwargs).eval()
     result: dict[str, Any] = {"model": args.model, "new_tokens": args.new_tokens, "device": "cpu",
-                              "torch_threads": torch.get_num_threads()}
+                              "torch_threads": torch.get_num_threads(), "repeats": args.repeats}
     warm = _prompts(llm.tokenizer, 2)
     bench_ours(llm, warm, 4)
     bench_hf(hf, llm.tokenizer, warm, 4)
     for batch in batches:
         prompts = _prompts(llm.tokenizer, batch)
-        ours = bench_ours(llm, prompts, args.new_tokens)
-        theirs = bench_hf(hf, llm.tokenizer, prompts, args.new_tokens)
-        result[f"ours_tok_s_batch{batch}"] = round(ours, 1)
-        result[f"hf_tok_s_batch{batch}"] = round(theirs, 1)
-        result[f"ratio_batch{batch}"] = round(ours / theirs, 3)
+        ours, theirs = [], []
+        for _ in range(args.repeats):  # alternate, so a burst of load elsewhere hits both sides alike
+            ours.append(bench_ours(llm, prompts, args.new_tokens))
+            theirs.append(bench_hf(hf, llm.tokenizer, prompts, args.new_tokens))
+        result[f"ours_tok_s_batch{batch}"] = round(statistics.median(ours), 1)
+        result[f"hf_tok_s_batch{batch}"] = round(statistics.median(theirs), 1)
+        result[f"ratio_batch{batch}"] = round(statistics.median(ours) / statistics.median(theirs), 3)
     return result
 
 

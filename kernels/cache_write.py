@@ -106,11 +106,12 @@ def cache_write_ref(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    """Torch reference and CPU path: one indexed assignment per cache."""
+    """Torch reference and CPU path: one indexed assignment per cache (any strides)."""
     _check_cache_write_inputs(key, value, k_cache, v_cache, slot_mapping)
-    block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    block_ids, offsets = slots // block_size, slots % block_size
-    k_cache[block_ids, offsets] = key[valid]
-    v_cache[block_ids, offsets] = value[valid]
+    if not bool(valid.all()):  # padding present: drop it (boolean indexing copies, so only when needed)
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    block_size = k_cache.shape[1]
+    index = (slot_mapping // block_size, slot_mapping % block_size)
+    k_cache.index_put_(index, key)
+    v_cache.index_put_(index, value)

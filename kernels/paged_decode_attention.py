@@ -277,8 +277,8 @@ def paged_decode_attention_ref(
     *,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Torch reference and CPU path: gather every sequence's blocks into one padded batch and run a single
-    masked SDPA in fp32 (one call for the whole batch, not one per sequence: this is the CPU serving path).
+    """Torch reference and CPU path: gather every sequence's keys and values slot by slot into one padded
+    batch and run a single masked SDPA in fp32 (one call per batch, not per sequence: the CPU serving path).
 
     `max_seq_len`, when given, must be at least the longest sequence; it only saves a reduction.
     """
@@ -289,15 +289,15 @@ def paged_decode_attention_ref(
     max_len = int(lens.max()) if max_seq_len is None and num_seqs else (max_seq_len or 0)
     if max_len == 0:
         return torch.zeros_like(q)
-    num_used = -(-max_len // cache.block_size)
-    # entries past a sequence's own blocks are arbitrary: clamp them to a valid id, the mask hides them
-    tables = block_tables[:, :num_used].long().clamp(0, k_cache.shape[0] - 1)  # [num_seqs, num_used]
+    bs = cache.block_size
+    # A padding position (past its sequence's length) reads the sequence's last token instead: a slot the
+    # model has written (finite), which the mask then hides. No slot past a sequence is ever read.
+    last = (lens - 1).clamp(min=0)[:, None]
+    positions = torch.minimum(torch.arange(max_len, device=q.device)[None, :], last)  # [num_seqs, max_len]
+    index = (block_tables.long().gather(1, positions // bs).clamp(min=0), positions % bs)
+    k = k_cache[index].transpose(1, 2).float()  # [num_seqs, num_kv_heads, max_len, head_dim]
+    v = v_cache[index].transpose(1, 2).float()
     visible = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [num_seqs, max_len]
-    # slots past a sequence's length may hold anything, NaN included: zero them (0 * NaN would leak)
-    hidden = ~visible[:, :, None, None]
-    # [num_seqs, num_kv_heads, max_len, head_dim]
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].masked_fill(hidden, 0).transpose(1, 2).float()
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].masked_fill(hidden, 0).transpose(1, 2).float()
     out = F.scaled_dot_product_attention(
         q.float().unsqueeze(2), k, v, attn_mask=visible[:, None, None, :], scale=scale,
         enable_gqa=num_heads != cache.num_kv_heads,
