@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from pagedserve.benchmarks.workloads import sharegpt_like
 
 
@@ -32,3 +34,17 @@ def test_bench_blocks_json_meets_targets() -> None:
     assert result["max_concurrent_paged"] > result["max_concurrent_reserved"] == 16
     for key in ("step_us_inprocess_p50", "step_rpc_us_p50", "step_rpc_us_p99"):
         assert result[key] > 0
+
+
+def test_bench_executor_json_smoke() -> None:
+    """The executor benchmark runs both sides and reports every key (its numbers are not asserted: timing)."""
+    cmd = [sys.executable, "-m", "pagedserve", "bench", "executor", "--json", "--batches", "1,2", "--new-tokens", "3",
+           "--repeats", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for batch in (1, 2):
+        assert result[f"ours_tok_s_batch{batch}"] > 0 and result[f"hf_tok_s_batch{batch}"] > 0
+        assert result[f"ratio_batch{batch}"] == pytest.approx(
+            result[f"ours_tok_s_batch{batch}"] / result[f"hf_tok_s_batch{batch}"], rel=0.01
+        )
