@@ -12,7 +12,12 @@ from collections.abc import Sequence
 COMMANDS = {
     "block-manager": ("pagedserve.services.block_manager.server", "run the KV block-manager gRPC sidecar"),
     "executor": ("pagedserve.services.executor.server", "run the model executor gRPC service"),
+    "frontend": ("pagedserve.services.frontend.server", "run the public API and scheduler over the sidecars"),
+    "serve": ("pagedserve.services.frontend.stack", "run block manager, executor and frontend together"),
     "run": ("pagedserve.services.frontend.run_cli", "offline generation for a few prompts"),
+    "generate": ("pagedserve.services.frontend.client_cli:generate", "stream a completion from a server"),
+    "chat": ("pagedserve.services.frontend.client_cli:chat", "chat with a server interactively"),
+    "status": ("pagedserve.services.frontend.client_cli:status", "a server's scheduler and KV-cache state"),
 }
 BENCHMARKS = {
     "blocks": ("pagedserve.benchmarks.blocks", "block-manager utilization and step latency"),
@@ -25,25 +30,27 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving on PagedAttention")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     wanted = argv[0] if argv else None
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (target, help_text) in COMMANDS.items():
         sub = commands.add_parser(name, help=help_text)
+        module, _, prefix = target.partition(":")  # module[:prefix]: prefix_main and add_prefix_arguments
         if name == wanted:  # import only what is about to run
-            importlib.import_module(module).add_arguments(sub)
-        sub.set_defaults(module=module)
+            add = getattr(importlib.import_module(module), f"add_{prefix}_arguments" if prefix else "add_arguments")
+            add(sub)
+        sub.set_defaults(module=module, entry=f"{prefix}_main" if prefix else "main")
     bench = commands.add_parser("bench", help="run a benchmark (prints one JSON object)")
     benches = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, (module, help_text) in BENCHMARKS.items():
         sub = benches.add_parser(name, help=help_text)
         if wanted == "bench" and len(argv) > 1 and argv[1] == name:
             importlib.import_module(module).add_arguments(sub)
-        sub.set_defaults(module=module)
+        sub.set_defaults(module=module, entry="main")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
-    importlib.import_module(args.module).main(args)
+    getattr(importlib.import_module(args.module), args.entry)(args)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from ..common.errors import InvalidRequest
 from .manager import BlockCopy, BlockManager, BlockTableDelta
+from .stats import BlockStats
 
 MIN_NAMESPACE_BYTES, MAX_NAMESPACE_BYTES = 8, 64
 MAX_TOKEN_ID = 2**31 - 1
@@ -84,6 +85,11 @@ class OpOutcome:
     swap_in: list[BlockCopy] = field(default_factory=list)  # cpu -> device
     num_cached_tokens: int = 0
     refused_seq_ids: list[int] = field(default_factory=list)
+
+
+class StepAnswer(NamedTuple):
+    outcomes: list[OpOutcome]  # one per op, in order
+    stats: BlockStats  # after the step
 
 
 @dataclass(slots=True)

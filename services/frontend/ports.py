@@ -8,18 +8,13 @@ forward pass, sampling; it returns one token per sequence that asked for one, in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from ..block_manager.manager import BlockManager
 from ..block_manager.stats import BlockStats
-from ..block_manager.step import Op, OpOutcome, apply_step
+from ..block_manager.step import Op, StepAnswer, apply_step
 from ..executor.runner import ModelRunner, StepInput
 from ..executor.sampling import SampledToken
-
-
-class StepAnswer(NamedTuple):
-    outcomes: list[OpOutcome]
-    stats: BlockStats
 
 
 class BlockManagerPort(Protocol):

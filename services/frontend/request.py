@@ -125,6 +125,8 @@ class SequenceOutput:
     index: int
     new_token_ids: Sequence[int]
     finish_reason: FinishReason | None
+    new_logprobs: Sequence[float] = ()  # of each new token
+    new_top_logprobs: Sequence[list[tuple[int, float]]] = ()  # (token id, logprob) alternatives per new token
 
 
 @dataclass(frozen=True)

@@ -80,10 +80,14 @@ class Scheduler:
     # ---- requests ------------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        seq = SequenceState(next(self._seq_ids), request, 0, list(request.prompt_token_ids))
-        request.seqs.append(seq)
+        # a one-token prompt has no prefix worth sharing: its n samples start as n independent sequences
+        count = request.params.n if len(request.prompt_token_ids) < 2 else 1
+        for index in range(count):
+            seq = SequenceState(next(self._seq_ids), request, index, list(request.prompt_token_ids))
+            request.seqs.append(seq)
+            self.waiting.append(seq)
+        request.num_unforked = request.params.n - count
         self.requests[request.request_id] = request
-        self.waiting.append(seq)
 
     def abort(self, request_id: str) -> StepOutput | None:
         """Finishes every sequence of the request; their blocks are freed by `flush` or the next step."""
@@ -139,11 +143,15 @@ class Scheduler:
                 routes += self._reserve(seq, 1)
         else:
             for seq in self.waiting:
-                chunk = min(self._target_len(seq), budget)
+                target = self._target_len(seq)
+                chunk = min(target, budget)
                 blocks = self._blocks_needed(seq, chunk)
                 if room <= 0 or chunk <= 0 or blocks > free_estimate:
                     break
-                routes.append((AdmitOp(seq.seq_id, seq.token_ids, seq.request.cache_namespace, chunk), [seq]))
+                # the block manager learns only the tokens up to the target, so that a prefix hit can never
+                # make it reserve (and the executor compute) a token meant for after a fork
+                admit = AdmitOp(seq.seq_id, seq.token_ids[:target], seq.request.cache_namespace, chunk)
+                routes.append((admit, [seq]))
                 room, budget, free_estimate = room - 1, budget - chunk, free_estimate - blocks
         if not routes:
             return None
@@ -199,7 +207,7 @@ class Scheduler:
                     self.running.append(seq)
                     seq.status = SeqStatus.RUNNING
                     seq.num_computed = seq.num_committed = outcome.num_cached_tokens
-                    seq.num_known_to_manager = len(seq.token_ids)
+                    seq.num_known_to_manager = len(op.token_ids)
                     work[seq.seq_id] = Work(seq, len(outcome.slot_mapping), list(outcome.slot_mapping))
                     seq.request.metrics.first_scheduled = seq.request.metrics.first_scheduled or now
                     seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, outcome.num_cached_tokens)
@@ -250,9 +258,9 @@ class Scheduler:
             reason = self._stop_reason(seq)
             if reason is not None:
                 self._finish(seq, reason)
-            outputs.setdefault(request.request_id, []).append(
-                SequenceOutput(seq.seq_id, seq.index, [token.token_id], seq.finish_reason)
-            )
+            outputs.setdefault(request.request_id, []).append(SequenceOutput(
+                seq.seq_id, seq.index, [token.token_id], seq.finish_reason, [token.logprob], [seq.top_logprobs[-1]]
+            ))
         results = []
         for request_id, seq_outputs in outputs.items():
             request = self.requests[request_id]

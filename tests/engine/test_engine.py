@@ -147,3 +147,28 @@ def test_requests_that_can_never_fit_are_rejected_up_front(make_engine: EngineFa
     with pytest.raises(InvalidRequest, match="token id 500"):
         engine.add_request("vocab", [500], GREEDY)
     assert not engine.has_work
+
+
+def test_parallel_samples_with_a_cached_prompt_equal_a_cold_run(make_engine: EngineFactory) -> None:
+    """A prefix hit must not let the first sample's prefill run past the fork point."""
+    params = GenerationParams(max_tokens=8, temperature=1.0, seed=5, n=3, ignore_eos=True)
+    engine, manager = make_engine()
+    (cold,), _ = run(engine, [PROMPTS[3]], params)
+    engine.add_request("warm", PROMPTS[3], params)
+    requests = [engine.scheduler.requests["warm"]]
+    while engine.has_work:
+        engine.step()
+    assert requests[0].num_cached_tokens > 0 and outputs(requests) == outputs([cold])
+    assert_no_leak(engine, manager)
+
+
+def test_parallel_samples_of_a_one_token_prompt(make_engine: EngineFactory) -> None:
+    params = GenerationParams(max_tokens=6, temperature=1.0, seed=11, n=3, ignore_eos=True)
+    engine, manager = make_engine()
+    (request,), _ = run(engine, [[7]], params)
+    samples = outputs([request])[0]
+    for index, sample in enumerate(samples):
+        (lone,), _ = run(make_engine()[0], [[7]], GenerationParams(max_tokens=6, temperature=1.0, seed=11 + index,
+                                                                  ignore_eos=True))
+        assert lone.seqs[0].output_token_ids == sample
+    assert_no_leak(engine, manager)

@@ -1,0 +1,100 @@
+"""The block manager's gRPC client: the same ops and outcomes as the in-process core, over the wire."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from ...protos import block_manager_pb2 as pb
+from ...protos import block_manager_pb2_grpc as pb_grpc
+from ..common.grpc_server import MAX_MESSAGE_BYTES
+from .manager import BlockCopy, BlockTableDelta
+from .stats import BlockStats
+from .step import (
+    AdmitOp,
+    CommitOp,
+    CreateOp,
+    DecodeOp,
+    ForkOp,
+    FreeOp,
+    Op,
+    OpOutcome,
+    ReserveOp,
+    StepAnswer,
+    SwapInOp,
+    SwapOutOp,
+)
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+def op_to_proto(op: Op) -> pb.Op:
+    match op:
+        case DecodeOp():
+            return pb.Op(decode=pb.Decode(seq_ids=op.seq_ids, token_ids=op.token_ids))
+        case ReserveOp():
+            return pb.Op(reserve=pb.Reserve(seq_id=op.seq_id, num_tokens=op.num_tokens,
+                                            append_token_ids=op.append_token_ids, admission=op.admission))
+        case CommitOp():
+            return pb.Op(commit=pb.Commit(seq_id=op.seq_id, num_computed_tokens=op.num_computed_tokens))
+        case AdmitOp():
+            return pb.Op(admit=pb.Admit(seq_id=op.seq_id, token_ids=op.token_ids,
+                                        cache_namespace=op.cache_namespace, num_tokens=op.max_tokens))
+        case CreateOp():
+            return pb.Op(create=pb.Create(seq_id=op.seq_id, token_ids=op.token_ids,
+                                          cache_namespace=op.cache_namespace))
+        case FreeOp():
+            return pb.Op(free=pb.Free(seq_id=op.seq_id))
+        case ForkOp():
+            return pb.Op(fork=pb.Fork(parent_seq_id=op.parent_seq_id, child_seq_id=op.child_seq_id))
+        case SwapOutOp():
+            return pb.Op(swap_out=pb.SwapOut(seq_ids=op.seq_ids))
+        case SwapInOp():
+            return pb.Op(swap_in=pb.SwapIn(seq_ids=op.seq_ids))
+    raise AssertionError(f"unhandled op {op!r}")
+
+
+def _copies(copies: Sequence[pb.BlockCopy]) -> list[BlockCopy]:
+    return [BlockCopy(c.src, c.dst, c.num_slots) for c in copies]
+
+
+def outcome_from_proto(result: pb.OpResult) -> OpOutcome:
+    return OpOutcome(
+        granted=result.status == pb.GRANTED,
+        reason=result.reason,
+        deltas=[BlockTableDelta(d.seq_id, d.keep, tuple(d.append)) for d in result.deltas],
+        slot_mapping=list(result.slot_mapping),
+        copies=_copies(result.copies),
+        swap_out=_copies(result.swap_out),
+        swap_in=_copies(result.swap_in),
+        num_cached_tokens=result.num_cached_tokens,
+        refused_seq_ids=list(result.refused_seq_ids),
+    )
+
+
+def stats_from_proto(stats: pb.Stats) -> BlockStats:
+    return BlockStats(**{name: getattr(stats, name) for name in BlockStats.__dataclass_fields__})
+
+
+class RemoteBlockManager:
+    """Synchronous: the engine thread makes one Step call per scheduler step."""
+
+    def __init__(self, address: str, timeout: float = 30.0) -> None:
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.BlockManagerStub(self.channel)
+        self.timeout = timeout
+
+    def step(self, ops: Sequence[Op]) -> StepAnswer:
+        response = self.stub.Step(pb.StepRequest(ops=[op_to_proto(op) for op in ops]), timeout=self.timeout)
+        return StepAnswer([outcome_from_proto(r) for r in response.results], stats_from_proto(response.stats))
+
+    def stats(self) -> BlockStats:
+        return stats_from_proto(self.stub.Stats(pb.StatsRequest(), timeout=self.timeout).stats)
+
+    def reset(self) -> BlockStats:
+        return stats_from_proto(self.stub.Reset(pb.ResetRequest(), timeout=self.timeout).stats)
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,52 @@
+"""The executor's gRPC client: StepInput in, sampled tokens out."""
+
+from __future__ import annotations
+
+import grpc
+
+from ...protos import executor_pb2 as pb
+from ...protos import executor_pb2_grpc as pb_grpc
+from ..common.grpc_server import MAX_MESSAGE_BYTES
+from .engine_config import ExecutorInfo
+from .runner import StepInput
+from .sampling import SampledToken
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+def step_to_proto(step: StepInput) -> pb.ExecuteRequest:
+    request = pb.ExecuteRequest(
+        swap_out=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_out],
+        swap_in=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_in],
+        copies=[pb.BlockCopy(src=s, dst=d) for s, d in step.copies],
+    )
+    for seq in step.sequences:
+        out = request.sequences.add(seq_id=seq.seq_id, token_ids=seq.token_ids, start_position=seq.start_position,
+                                    block_table=seq.block_table, slot_mapping=seq.slot_mapping,
+                                    sample=seq.sampling is not None)
+        if seq.sampling is not None:
+            s = seq.sampling
+            out.sampling.CopyFrom(pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                                    seed=s.seed, num_top_logprobs=s.num_top_logprobs))
+    return request
+
+
+class RemoteExecutor:
+    def __init__(self, address: str, timeout: float = 600.0) -> None:
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.ExecutorStub(self.channel)
+        self.timeout = timeout
+
+    def execute(self, step: StepInput) -> list[SampledToken]:
+        response = self.stub.Execute(step_to_proto(step), timeout=self.timeout)
+        return [SampledToken(t.seq_id, t.token_id, t.logprob, list(t.top_token_ids), list(t.top_logprobs))
+                for t in response.tokens]
+
+    def info(self) -> ExecutorInfo:
+        i = self.stub.Info(pb.InfoRequest(), timeout=self.timeout)
+        return ExecutorInfo(i.model, i.model_digest, i.dtype, i.device, i.vocab_size, i.max_model_len, i.block_size,
+                            i.num_blocks, i.num_cpu_blocks, tuple(i.eos_token_ids), i.kernel_backend)
+
+    def close(self) -> None:
+        self.channel.close()

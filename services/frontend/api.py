@@ -1,0 +1,254 @@
+"""The public gRPC API (`service Inference`): requests in, streamed tokens and text out.
+
+Text work happens here, on the event loop: tokenizing, the chat template, streaming detokenization and
+stop strings. Scheduling happens on the engine thread (engine_loop.py). A request whose client goes
+away, or whose deadline passes, is aborted in the `finally` of its handler: its blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc.aio
+from transformers import PreTrainedTokenizerFast
+
+from ...protos import inference_pb2 as pb
+from ...protos import inference_pb2_grpc as pb_grpc
+from ..common.errors import InvalidRequest, NotReady
+from ..executor.engine_config import ExecutorInfo
+from ..executor.model.tokenizer import render_chat
+from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .engine_loop import EngineLoop
+from .metrics import latency
+from .request import FinishReason, GenerationParams, Request, SequenceOutput
+
+FINISH = {FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH, FinishReason.ABORT: pb.ABORT}
+TENANT_HEADERS = ("x-api-key", "authorization")
+
+
+@dataclass
+class _Sample:
+    """The text side of one of a request's samples."""
+
+    detokenizer: IncrementalDetokenizer
+    stop: StopStringMatcher
+    done: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    finish_reason: int = pb.FINISH_REASON_UNSPECIFIED
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What the API needs once the stack is up."""
+
+    loop: EngineLoop
+    tokenizer: PreTrainedTokenizerFast
+    info: ExecutorInfo
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    """Registered before the server starts (gRPC requires it); answers UNAVAILABLE until `attach`."""
+
+    def __init__(self) -> None:
+        self._backend: Backend | None = None
+        self._tenant_secret = secrets.token_bytes(32)
+
+    def attach(self, backend: Backend) -> None:
+        self._backend = backend
+
+    @property
+    def ready(self) -> bool:
+        return self._backend is not None
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            raise NotReady("the model is still loading")
+        return self._backend
+
+    @property
+    def loop(self) -> EngineLoop:
+        return self.backend.loop
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerFast:
+        return self.backend.tokenizer
+
+    @property
+    def info(self) -> ExecutorInfo:
+        return self.backend.info
+
+    # ---- Generate and Complete -----------------------------------------------------------------------
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        async for message in self._generate(request, context):
+            yield message
+
+    async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
+        choices: dict[int, pb.Completion] = {}
+        response = pb.CompleteResponse()
+        async for chunk in self._generate(request, context):
+            response.request_id = chunk.request_id
+            choice = choices.setdefault(chunk.index, pb.Completion(index=chunk.index))
+            choice.text += chunk.text
+            choice.token_ids.extend(chunk.token_ids)
+            choice.logprobs.extend(chunk.logprobs)
+            if chunk.finish_reason:
+                choice.finish_reason = chunk.finish_reason
+            if chunk.HasField("usage"):
+                response.usage.CopyFrom(chunk.usage)
+        response.choices.extend(choices[i] for i in sorted(choices))
+        return response
+
+    async def _generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        if request.model and request.model != self.info.model:
+            raise InvalidRequest(f"model: {request.model!r} is not served here; this pod serves {self.info.model!r}")
+        prompt = self._prompt(request)
+        params = generation_params(request.params)
+        stop = list(request.params.stop)
+        samples = [self._sample(prompt, stop) for _ in range(params.n)]
+        want_logprobs = request.params.HasField("logprobs")
+        request_id = uuid.uuid4().hex
+        events = self.loop.submit(request_id, prompt, params, self._tenant_salt(context))
+        engine_request: Request | None = None
+        over = False
+        try:
+            # the engine ends every request's stream with None, after which it no longer touches the request
+            while (event := await events.get()) is not None:
+                if isinstance(event, BaseException):
+                    raise event
+                engine_request = event.request
+                for output in event.outputs:
+                    chunk = self._chunk(request_id, samples, output, want_logprobs)
+                    if chunk is not None:
+                        yield chunk
+            over = True
+            yield pb.GenerateResponse(request_id=request_id, usage=self._usage(engine_request, prompt, samples))
+        finally:
+            if not over:  # the client went away, the deadline passed, or the engine failed
+                self.loop.abort(request_id)
+
+    def _sample(self, prompt: list[int], stop: list[str]) -> _Sample:
+        return _Sample(IncrementalDetokenizer(self.tokenizer, prompt), StopStringMatcher(stop))
+
+    def _chunk(
+        self, request_id: str, samples: list[_Sample], output: SequenceOutput, want_logprobs: bool
+    ) -> pb.GenerateResponse | None:
+        sample = samples[output.index]
+        if sample.done:  # a stop string ended it; the engine may have produced one more token meanwhile
+            return None
+        text, stopped = sample.stop.feed(sample.detokenizer.add(output.new_token_ids))
+        finish = pb.STOP if stopped else pb.FINISH_REASON_UNSPECIFIED
+        if output.finish_reason is not None and not stopped:
+            finish = FINISH[output.finish_reason]
+        if finish and not stopped:  # the end of the stream: release what was held back
+            text += sample.stop.feed(sample.detokenizer.flush())[0] + sample.stop.flush()
+        if stopped and output.finish_reason is None:
+            self.loop.finish_sample(request_id, output.index)
+        logprobs = [
+            pb.TokenLogprob(token_id=t, logprob=lp, top_token_ids=[i for i, _ in top], top_logprobs=[v for _, v in top])
+            for t, lp, top in zip(output.new_token_ids, output.new_logprobs, output.new_top_logprobs, strict=True)
+        ] if want_logprobs else []
+        sample.done = bool(finish)
+        sample.token_ids.extend(output.new_token_ids)
+        sample.finish_reason = finish
+        return pb.GenerateResponse(request_id=request_id, index=output.index, token_ids=output.new_token_ids,
+                                   text=text, logprobs=logprobs, finish_reason=finish)
+
+    def _usage(self, request: Request | None, prompt: list[int], samples: list[_Sample]) -> pb.Usage:
+        usage = pb.Usage(prompt_tokens=len(prompt), completion_tokens=sum(len(s.token_ids) for s in samples))
+        if request is not None:
+            lat = latency(request.metrics, usage.completion_tokens)
+            usage.cached_prompt_tokens = request.num_cached_tokens
+            usage.num_preemptions = request.num_preemptions
+            usage.queue_ms, usage.ttft_ms, usage.e2e_ms = lat.queue_ms, lat.ttft_ms, lat.e2e_ms
+        return usage
+
+    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return list(self.tokenizer.encode(request.text, add_special_tokens=False))
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        if kind == "chat":
+            return self._chat(request.chat)
+        raise InvalidRequest("prompt: set one of text, token_ids or chat")
+
+    def _chat(self, chat: pb.Chat) -> list[int]:
+        if not chat.messages:
+            raise InvalidRequest("chat.messages: must not be empty")
+        if self.tokenizer.chat_template is None:
+            raise InvalidRequest("chat: this model has no chat template; send text or token_ids")
+        for i, message in enumerate(chat.messages):
+            if message.role not in ("system", "user", "assistant"):
+                raise InvalidRequest(f"chat.messages[{i}].role: {message.role!r} is not system, user or assistant")
+        return render_chat(self.tokenizer, [{"role": m.role, "content": m.content} for m in chat.messages])
+
+    def _tenant_salt(self, context: grpc.aio.ServicerContext) -> bytes:
+        """The caller's identity as the server sees it (its API key), never a field the client sets: one
+        tenant can then never hit, or time, another tenant's cached prefix."""
+        metadata = dict(context.invocation_metadata() or ())
+        key = next((str(metadata[h]) for h in TENANT_HEADERS if h in metadata), "")
+        if not key:
+            return b""
+        return hashlib.blake2b(key.encode(), key=self._tenant_secret, digest_size=16).digest()
+
+    # ---- the rest ------------------------------------------------------------------------------------
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            return pb.TokenizeResponse(token_ids=self.tokenizer.encode(request.text, add_special_tokens=False))
+        if kind == "chat":
+            return pb.TokenizeResponse(token_ids=self._chat(request.chat))
+        raise InvalidRequest("input: set one of text or chat")
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        i = self.info
+        return pb.ListModelsResponse(models=[pb.ModelInfo(
+            name=i.model, digest=i.model_digest, max_model_len=i.max_model_len, vocab_size=i.vocab_size,
+            block_size=i.block_size, num_blocks=i.num_blocks, dtype=i.dtype, device=i.device,
+        )])
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        status = self.loop.status
+        stats = status["stats"]
+        return pb.StatusResponse(
+            num_running=status["num_running"], num_waiting=status["num_waiting"], num_swapped=status["num_swapped"],
+            num_used_blocks=stats.num_used_blocks, num_cached_blocks=stats.num_cached_blocks,
+            num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
+            block_pressure=stats.block_pressure, kv_utilization=stats.kv_utilization,
+            prefix_hit_rate=stats.prefix_hit_rate,
+            num_preemptions_recompute=status["num_preemptions_recompute"],
+            num_preemptions_swap=status["num_preemptions_swap"],
+            **self.loop.metrics.snapshot(),  # type: ignore[arg-type]
+        )
+
+
+def generation_params(p: pb.GenerationParameters) -> GenerationParams:
+    """Proto parameters with their defaults; validated by the engine (InvalidRequest naming the field)."""
+    params = GenerationParams(
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else 16,
+        temperature=p.temperature if p.HasField("temperature") else 0.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k if p.HasField("top_k") else 0,
+        seed=p.seed if p.HasField("seed") else None,
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        n=p.n if p.HasField("n") else 1,
+        logprobs=p.logprobs if p.HasField("logprobs") else 0,
+    )
+    params.validate()
+    return params

@@ -1,0 +1,157 @@
+"""The engine on its own thread, and the bridge to the asyncio API.
+
+The engine and scheduler are touched only by the engine thread: the API thread sends it commands
+(add, abort, finish a sample) and receives each request's outputs on an asyncio queue. A step that fails
+(an executor or block-manager error) fails the requests in flight with that error and frees their blocks;
+the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .engine import Engine
+from .metrics import ServingMetrics, latency
+from .request import FinishReason, GenerationParams, StepOutput
+
+log = logging.getLogger(__name__)
+
+Event = StepOutput | BaseException | None  # None: the request is over
+
+
+@dataclass
+class _Subscriber:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Event]
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, metrics: ServingMetrics) -> None:
+        self.engine, self.metrics = engine, metrics
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._subscribers: dict[str, _Subscriber] = {}
+        self.status: dict[str, Any] = self._status()  # replaced whole after each step: safe to read anywhere
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ---- called from the API's event loop ------------------------------------------------------------
+
+    def submit(
+        self, request_id: str, prompt: list[int], params: GenerationParams, tenant_salt: bytes
+    ) -> asyncio.Queue[Event]:
+        """Validates now (raising InvalidRequest or OutOfCapacity), then queues the request."""
+        self.engine.check(prompt, params)
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        subscriber = _Subscriber(asyncio.get_running_loop(), events)
+        self._call(lambda: self._add(request_id, prompt, params, tenant_salt, subscriber))
+        return events
+
+    def abort(self, request_id: str) -> None:
+        self._call(lambda: self._abort(request_id))
+
+    def finish_sample(self, request_id: str, index: int) -> None:
+        """A stop string ended sample `index`: free its sequence now."""
+        self._call(lambda: self._finish_sample(request_id, index))
+
+    # ---- the engine thread ---------------------------------------------------------------------------
+
+    def _call(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            if not self._commands.empty():
+                while not self._commands.empty():
+                    self._commands.get()()
+                self.status = self._status()
+            if not self.engine.has_work:
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                log.exception("engine step failed: failing the requests in flight")
+                self._fail_all(exc)
+                continue
+            for output in outputs:
+                self._deliver(output)
+            self.status = self._status()
+
+    def _add(self, request_id: str, prompt: list[int], params: GenerationParams, salt: bytes,
+             subscriber: _Subscriber) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params, salt)
+        except Exception as exc:
+            subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, exc)
+            return
+        self._subscribers[request_id] = subscriber
+
+    def _abort(self, request_id: str) -> None:
+        self._subscribers.pop(request_id, None)
+        self.engine.abort(request_id)
+
+    def _finish_sample(self, request_id: str, index: int) -> None:
+        request = self.engine.scheduler.requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if seq.index == index:
+                self.engine.scheduler.finish(seq, FinishReason.STOP)
+        self.engine.scheduler.flush()
+        if request.finished:
+            self._close(request_id, request)
+
+    def _deliver(self, output: StepOutput) -> None:
+        request = output.request
+        self.metrics.record_tokens(sum(len(o.new_token_ids) for o in output.outputs))
+        subscriber = self._subscribers.get(request.request_id)
+        if subscriber is not None:
+            subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, output)
+        if request.finished:
+            self._close(request.request_id, request)
+
+    def _close(self, request_id: str, request: Any) -> None:
+        num_tokens = sum(len(s.output_token_ids) for s in request.seqs)
+        self.metrics.record_finished(latency(request.metrics, num_tokens))
+        subscriber = self._subscribers.pop(request_id, None)
+        if subscriber is not None:
+            subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, None)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in list(self.engine.scheduler.requests):
+            subscriber = self._subscribers.pop(request_id, None)
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("could not abort %s after a failed step", request_id)
+            if subscriber is not None:
+                subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, exc)
+        self.status = self._status()
+
+    def _status(self) -> dict[str, Any]:
+        scheduler = self.engine.scheduler
+        return {
+            "num_running": len(scheduler.running),
+            "num_waiting": len(scheduler.waiting),
+            "num_swapped": len(scheduler.swapped),
+            "stats": scheduler.stats,
+            "num_preemptions_recompute": scheduler.num_preemptions["recompute"],
+            "num_preemptions_swap": scheduler.num_preemptions["swap"],
+        }

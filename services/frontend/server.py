@@ -1,0 +1,109 @@
+"""`pagedserve frontend`: the public API over a running block manager and executor.
+
+At start it checks that the two agree on the KV cache (block size and count, CPU pool), and that the
+tokenizer it loads belongs to the weights the executor serves; a mismatch is a clear startup error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from ...protos import inference_pb2 as pb
+from ...protos import inference_pb2_grpc as pb_grpc
+from ..block_manager.client import RemoteBlockManager
+from ..block_manager.stats import BlockStats
+from ..common.grpc_server import GrpcService, run, serve_until_signalled
+from ..executor.client import RemoteExecutor
+from ..executor.engine_config import ExecutorInfo
+from ..executor.model.registry import resolve_model
+from ..executor.model.tokenizer import load_tokenizer
+from .api import Backend, InferenceServicer
+from .engine import Engine, EngineLimits, ModelIdentity
+from .engine_loop import EngineLoop
+from .metrics import ServingMetrics
+from .scheduler import Scheduler, SchedulerConfig
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+log = logging.getLogger(__name__)
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+def check_agreement(info: ExecutorInfo, stats: BlockStats) -> None:
+    """The block manager hands out ids of blocks that the executor's tensors must hold."""
+    mismatches = [
+        f"{name}: executor {ours}, block manager {theirs}"
+        for name, ours, theirs in (
+            ("block size", info.block_size, stats.block_size),
+            ("KV blocks", info.num_blocks, stats.num_total_blocks),
+            ("CPU swap blocks", info.num_cpu_blocks, stats.num_cpu_blocks),
+        )
+        if ours != theirs
+    ]
+    if mismatches:
+        raise StartupError("the block manager and the executor disagree on the KV cache: " + "; ".join(mismatches)
+                           + ". Start the block manager with the executor's numbers (see `pagedserve serve`).")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default="127.0.0.1:50051", help="unix:PATH or HOST:PORT")
+    parser.add_argument("--block-manager", required=True, help="address of the block manager")
+    parser.add_argument("--executor", required=True, help="address of the executor")
+    parser.add_argument("--model", default="smollm2-135m", help="the model the executor serves (for its tokenizer)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="cap on running sequences")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="time-to-first-token objective")
+    parser.add_argument("--tpot-slo-ms", type=float, default=200.0, help="time-per-output-token objective")
+
+
+def connect(args: argparse.Namespace) -> Backend:
+    """Blocking: checks the sidecars agree, loads the tokenizer, starts the engine thread."""
+    executor, block_manager = RemoteExecutor(args.executor), RemoteBlockManager(args.block_manager)
+    info = executor.info()
+    check_agreement(info, block_manager.stats())
+    source = resolve_model(args.model)
+    if source.digest != info.model_digest:
+        raise StartupError(f"--model {args.model} ({source.digest}) is not what the executor serves "
+                           f"({info.model}, {info.model_digest})")
+    tokenizer = load_tokenizer(source)
+    block_manager.reset()  # nothing in the cache is ours: a restarted frontend starts clean
+    scheduler = Scheduler(
+        SchedulerConfig(info.block_size, info.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
+                        args.preemption_mode),
+        block_manager,
+    )
+    eos = frozenset(info.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
+    limits = EngineLimits(info.vocab_size, info.max_model_len, info.num_blocks, info.block_size, eos)
+    identity = ModelIdentity(info.model_digest, tokenizer.name_or_path or info.model, tokenizer.chat_template or "",
+                             info.dtype)
+    loop = EngineLoop(Engine(scheduler, executor, limits, identity), ServingMetrics(args.ttft_slo_ms, args.tpot_slo_ms))
+    loop.start()
+    return Backend(loop, tokenizer, info)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    service = GrpcService(args.listen, [SERVICE_NAME])
+    servicer = InferenceServicer()
+    pb_grpc.add_InferenceServicer_to_server(servicer, service.server)
+
+    async def warm_up() -> None:
+        servicer.attach(await asyncio.to_thread(connect, args))
+
+    try:
+        await serve_until_signalled(service, warm_up=warm_up)
+    finally:
+        if servicer.ready:
+            servicer.backend.loop.stop()
+
+
+def main(args: argparse.Namespace) -> None:
+    try:
+        run(serve(args))
+    except StartupError as exc:
+        log.error("%s", exc)
+        raise SystemExit(2) from None

@@ -1,0 +1,138 @@
+"""`pagedserve serve`: the three processes of a pod on one machine, started in order and watched.
+
+The executor starts first (it sizes the KV cache), the block manager is started with the executor's
+numbers, then the frontend. All three talk over unix sockets in a private run directory; only the
+frontend listens on a TCP port. Ctrl-C or SIGTERM stops all three; a component that dies is reported
+with its last output and the others are stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from typing import Any
+
+import grpc
+
+from ...protos import inference_pb2 as pb
+from ...protos import inference_pb2_grpc as pb_grpc
+from ..common.processes import ServiceProcess, start_service, stop_service
+from ..executor.client import RemoteExecutor
+from ..executor.engine_config import add_executor_arguments
+
+FRONTEND_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "preemption_mode", "ttft_slo_ms", "tpot_slo_ms")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address the public API listens on")
+    parser.add_argument("--port", type=int, default=50051)
+    add_executor_arguments(parser)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="cap on running sequences")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
+    parser.add_argument("--tpot-slo-ms", type=float, default=200.0)
+    parser.add_argument("--status-interval", type=float, default=1.0, help="seconds between status lines")
+
+
+def _executor_args(args: argparse.Namespace) -> list[str]:
+    out = ["executor", "--model", args.model, "--block-size", str(args.block_size),
+           "--kv-cache-mib", str(args.kv_cache_mib), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+           "--cpu-swap-mib", str(args.cpu_swap_mib)]
+    for flag in ("dtype", "device", "num_blocks", "max_model_len"):
+        if getattr(args, flag) is not None:
+            out += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return out
+
+
+def status_line(status: pb.StatusResponse) -> str:
+    return (f"running {status.num_running} | waiting {status.num_waiting} | "
+            f"{status.generation_tokens_per_s:.1f} tok/s | blocks {status.num_used_blocks}/{status.num_total_blocks}"
+            f" used, {status.num_cached_blocks} cached | goodput {status.goodput_rps:.2f} req/s")
+
+
+class Stack:
+    def __init__(self) -> None:
+        self.services: dict[str, ServiceProcess] = {}
+        self.run_dir = tempfile.mkdtemp(prefix="pagedserve-")
+        self.stopping = False
+
+    def start(self, args: argparse.Namespace) -> str:
+        self._start("executor", _executor_args(args), f"unix:{self.run_dir}/executor.sock", timeout=1800)
+        info = RemoteExecutor(self.services["executor"].address).info()
+        self._start("block-manager", ["block-manager", "--num-blocks", str(info.num_blocks), "--block-size",
+                                      str(info.block_size), "--cpu-blocks", str(info.num_cpu_blocks)],
+                    f"unix:{self.run_dir}/block-manager.sock")
+        frontend_args = ["frontend", "--block-manager", self.services["block-manager"].address,
+                         "--executor", self.services["executor"].address, "--model", args.model]
+        for flag in FRONTEND_FLAGS:
+            frontend_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        self._start("frontend", frontend_args, f"{args.host}:{args.port}")
+        return (f"pagedserve: serving {info.model} on {args.host}:{args.port} ({info.device}, {info.dtype}; "
+                f"{info.num_blocks} KV blocks of {info.block_size} tokens, {info.num_cpu_blocks} CPU swap blocks)")
+
+    def _start(self, name: str, argv: list[str], listen: str, timeout: float = 300.0) -> None:
+        print(f"pagedserve: starting the {name} ...", file=sys.stderr, flush=True)
+        self.services[name] = start_service(argv, listen=listen, timeout=timeout)
+
+    def dead(self) -> tuple[str, ServiceProcess] | None:
+        return next(((n, s) for n, s in self.services.items() if s.proc.poll() is not None), None)
+
+    def stop(self) -> None:
+        for name in ("frontend", "block-manager", "executor"):
+            if name in self.services:
+                stop_service(self.services[name])
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def main(args: argparse.Namespace) -> None:
+    stack = Stack()
+
+    def request_stop(signum: int, frame: Any) -> None:
+        stack.stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    code = 0
+    try:
+        print(stack.start(args), flush=True)
+        code = watch(stack, f"{args.host}:{args.port}", args.status_interval)
+    except Exception as exc:  # a component failed to start: say which, with its last words
+        print(f"\npagedserve: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        stack.stop()
+    raise SystemExit(code)
+
+
+def watch(stack: Stack, address: str, interval: float) -> int:
+    live = sys.stdout.isatty()
+    last_print = 0.0
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        while not stack.stopping:
+            dead = stack.dead()
+            if dead is not None:
+                name, service = dead
+                tail = "".join(service.output[-20:])
+                print(f"\npagedserve: the {name} exited with code {service.proc.returncode}; stopping.\n{tail}",
+                      file=sys.stderr, flush=True)
+                return 1
+            try:
+                line = status_line(stub.Status(pb.StatusRequest(), timeout=5))
+            except grpc.RpcError as exc:
+                line = f"status unavailable: {exc.code().name}"
+            now = time.monotonic()
+            if live:
+                print(f"\r{line:<110}", end="", flush=True)
+            elif now - last_print >= 10 * interval:  # a log, not a terminal: one line every ten intervals
+                print(json.dumps({"status": line}), flush=True)
+                last_print = now
+            time.sleep(interval)
+    print("\npagedserve: stopping", file=sys.stderr, flush=True)
+    return 0

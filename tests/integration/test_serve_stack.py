@@ -1,0 +1,229 @@
+"""The whole pod: `pagedserve serve` starts block manager, executor and frontend as three processes, and
+clients talk to it over real gRPC on loopback. The model is tiny and random but real, with SmolLM2's
+real tokenizer and chat template, so text goes through every layer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.protos import inference_pb2 as pb
+from pagedserve.protos import inference_pb2_grpc as pb_grpc
+from pagedserve.services.common.processes import wait_serving
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "def fibonacci(n):",
+           "List three colors:", "The quick brown fox jumps over the lazy dog. " * 3]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Pod:
+    def __init__(self, model: Path, *extra: str) -> None:
+        self.address = f"127.0.0.1:{free_port()}"
+        cmd = [sys.executable, "-m", "pagedserve", "serve", "--model", str(model), "--port",
+               self.address.rsplit(":", 1)[1], "--device", "cpu", "--block-size", "4", "--status-interval", "0.2",
+               *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"})
+        wait_serving(self.address, 300, self.proc)  # type: ignore[arg-type]
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = pb_grpc.InferenceStub(self.channel)
+
+    def generate(self, prompt: str, **params: object) -> tuple[list[pb.GenerateResponse], dict[int, str]]:
+        request = pb.GenerateRequest(text=prompt, params=pb.GenerationParameters(**params))  # type: ignore[arg-type]
+        chunks = list(self.stub.Generate(request, timeout=120))
+        texts: dict[int, str] = {}
+        for chunk in chunks[:-1]:
+            texts[chunk.index] = texts.get(chunk.index, "") + chunk.text
+        return chunks, texts
+
+    def status(self) -> pb.StatusResponse:
+        return self.stub.Status(pb.StatusRequest(), timeout=10)
+
+    def wait_idle(self) -> pb.StatusResponse:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status = self.status()
+            if status.num_running == status.num_waiting == status.num_used_blocks == 0:
+                return status
+            time.sleep(0.05)
+        raise AssertionError(f"the pod is not idle: {self.status()}")
+
+    def stop(self) -> str:
+        self.channel.close()
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=60)
+        return out
+
+
+@pytest.fixture(scope="module")
+def pod(tiny_chat_model_dir: Path) -> Iterator[Pod]:
+    pod = Pod(tiny_chat_model_dir, "--num-blocks", "256", "--max-num-batched-tokens", "64")
+    yield pod
+    output = pod.stop()
+    assert pod.proc.returncode == 0, output
+
+
+def test_streaming_text_equals_the_decoded_tokens(pod: Pod, tiny_chat_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+    chunks, texts = pod.generate(PROMPTS[0], max_tokens=24, ignore_eos=True)
+    token_ids = [t for c in chunks for t in c.token_ids]
+    assert len(token_ids) == 24 and len(chunks) == 25  # one chunk per token, then the usage
+    assert texts[0] == tokenizer.decode(token_ids, skip_special_tokens=True)
+    assert chunks[-2].finish_reason == pb.LENGTH and all(c.finish_reason == 0 for c in chunks[:-2])
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == len(tokenizer.encode(PROMPTS[0])) and usage.completion_tokens == 24
+    assert 0 < usage.ttft_ms <= usage.e2e_ms
+    complete = pod.stub.Complete(pb.GenerateRequest(text=PROMPTS[0], params=pb.GenerationParameters(
+        max_tokens=24, ignore_eos=True)))
+    assert complete.choices[0].text == texts[0] and list(complete.choices[0].token_ids) == token_ids
+    pod.wait_idle()
+
+
+def test_chat_template_and_tokenize(pod: Pod) -> None:
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="Hello!")])
+    ids = pod.stub.Tokenize(pb.TokenizeRequest(chat=chat)).token_ids
+    text_ids = pod.stub.Tokenize(pb.TokenizeRequest(text="Hello!")).token_ids
+    assert len(ids) > len(text_ids) + 4  # the template's system prompt and role markers
+    response = pod.stub.Complete(pb.GenerateRequest(chat=chat, params=pb.GenerationParameters(max_tokens=5)))
+    assert response.usage.prompt_tokens == len(ids)
+    by_ids = pod.stub.Complete(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids),
+                                                  params=pb.GenerationParameters(max_tokens=5)))
+    assert list(by_ids.choices[0].token_ids) == list(response.choices[0].token_ids)
+    models = pod.stub.ListModels(pb.ListModelsRequest()).models
+    assert models[0].num_blocks == 256 and models[0].block_size == 4
+
+
+def test_parallel_samples_and_seeds(pod: Pod) -> None:
+    params = {"max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 3, "ignore_eos": True}
+    _, texts = pod.generate(PROMPTS[1], **params)
+    _, again = pod.generate(PROMPTS[1], **params)
+    assert texts == again and len(texts) == 3 and len(set(texts.values())) == 3
+    _, other_seed = pod.generate(PROMPTS[1], **{**params, "seed": 8})
+    assert other_seed != texts
+    _, single = pod.generate(PROMPTS[1], max_tokens=12, temperature=1.0, seed=7 + 2, ignore_eos=True)
+    assert single[0] == texts[2]  # sample i draws with seed + i
+    pod.wait_idle()
+
+
+def test_stop_strings_end_the_text_before_them(pod: Pod) -> None:
+    _, texts = pod.generate(PROMPTS[2], max_tokens=30, ignore_eos=True)
+    full = texts[0]
+    stop = full[10:14]
+    chunks, stopped = pod.generate(PROMPTS[2], max_tokens=30, ignore_eos=True, stop=[stop])
+    assert stopped[0] == full[: full.index(stop)]
+    assert chunks[-2].finish_reason == pb.STOP
+    pod.wait_idle()
+
+
+def test_prefix_hit_output_equals_cold_output(pod: Pod) -> None:
+    prompt = PROMPTS[4]
+    cold, cold_text = pod.generate(prompt, max_tokens=10, ignore_eos=True)
+    warm, warm_text = pod.generate(prompt, max_tokens=10, ignore_eos=True)
+    assert cold[-1].usage.cached_prompt_tokens == 0 and warm[-1].usage.cached_prompt_tokens > 0
+    assert warm_text == cold_text
+    assert pod.status().prefix_hit_rate > 0
+
+
+def test_cancellation_and_deadline_free_blocks_at_once(pod: Pod) -> None:
+    request = pb.GenerateRequest(text=PROMPTS[3], params=pb.GenerationParameters(max_tokens=400, ignore_eos=True))
+    call = pod.stub.Generate(request)
+    for _ in range(3):
+        next(call)
+    assert pod.status().num_used_blocks > 0
+    call.cancel()
+    pod.wait_idle()
+    with pytest.raises(grpc.RpcError) as info:
+        list(pod.stub.Generate(request, timeout=0.5))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    pod.wait_idle()
+
+
+BAD = [
+    ({"text": ""}, grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty"),
+    ({"text": "hi", "params": pb.GenerationParameters(max_tokens=0)}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    ({"text": "hi", "params": pb.GenerationParameters(top_p=1.5)}, grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    ({"text": "hi", "params": pb.GenerationParameters(n=100)}, grpc.StatusCode.INVALID_ARGUMENT, "n: must be"),
+    ({"text": "hi " * 600}, grpc.StatusCode.INVALID_ARGUMENT, "exceed the context"),
+    ({"text": "hi", "params": pb.GenerationParameters(max_tokens=500, n=16)}, grpc.StatusCode.RESOURCE_EXHAUSTED,
+     "KV blocks"),
+    ({"token_ids": pb.TokenIds(ids=[10**6])}, grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+    ({}, grpc.StatusCode.INVALID_ARGUMENT, "prompt: set one of"),
+    ({"text": "hi", "model": "gpt-5"}, grpc.StatusCode.INVALID_ARGUMENT, "model: 'gpt-5' is not served"),
+    ({"chat": pb.Chat(messages=[pb.ChatMessage(role="wizard", content="x")])}, grpc.StatusCode.INVALID_ARGUMENT,
+     "chat.messages[0].role"),
+    ({"text": "hi", "params": pb.GenerationParameters(stop=[""])}, grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+]
+
+
+@pytest.mark.parametrize(("fields", "code", "message"), BAD)
+def test_bad_requests_get_the_right_code_and_the_server_keeps_serving(
+    pod: Pod, fields: dict[str, object], code: grpc.StatusCode, message: str
+) -> None:
+    for call in (lambda r: list(pod.stub.Generate(r, timeout=30)), lambda r: pod.stub.Complete(r, timeout=30)):
+        with pytest.raises(grpc.RpcError) as info:
+            call(pb.GenerateRequest(**fields))  # type: ignore[arg-type]
+        assert info.value.code() == code and message in info.value.details(), info.value.details()
+    assert pod.generate("still there?", max_tokens=2)[0][-1].usage.completion_tokens >= 1
+
+
+def test_health_reflection_and_client_commands(pod: Pod) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(pod.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        reply = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(iter([request])))
+        assert "pagedserve.inference.v1.Inference" in {s.name for s in reply.list_services_response.service}
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    cli = [sys.executable, "-m", "pagedserve"]
+    status = subprocess.run([*cli, "status", "--address", pod.address, "--json"], capture_output=True, text=True,
+                            check=True, env=env, timeout=120)
+    import json
+
+    fields = json.loads(status.stdout)
+    for key in ("num_running", "num_waiting", "num_used_blocks", "num_cached_blocks", "num_free_blocks",
+                "num_total_blocks"):
+        assert key in fields
+    assert fields["num_total_blocks"] == 256
+    out = subprocess.run([*cli, "generate", "--address", pod.address, "--max-tokens", "8", PROMPTS[0]],
+                         capture_output=True, text=True, check=True, env=env, timeout=120)
+    assert out.stdout.strip() == pod.generate(PROMPTS[0], max_tokens=8)[1][0].strip()
+    bad = subprocess.run([*cli, "generate", "--address", pod.address, "--max-tokens", "0", "x"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_under_a_tiny_budget_keeps_greedy_output(tiny_chat_model_dir: Path, pod: Pod, mode: str) -> None:
+    expected = [pod.generate(p, max_tokens=40, ignore_eos=True)[1][0] for p in PROMPTS]
+    # 24 blocks of 4 tokens: the longest request alone needs 18, all five together about 75
+    small = Pod(tiny_chat_model_dir, "--num-blocks", "24", "--preemption-mode", mode, "--cpu-swap-mib", "1")
+    try:
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(pool.map(lambda p: small.generate(p, max_tokens=40, ignore_eos=True)[1][0], PROMPTS))
+        assert results == expected
+        status = small.wait_idle()
+        preemptions = status.num_preemptions_swap if mode == "swap" else status.num_preemptions_recompute
+        assert preemptions > 0
+    finally:
+        assert small.stop() is not None and small.proc.returncode == 0
