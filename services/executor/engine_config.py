@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ class ExecutorConfig:
     cpu_swap_bytes: int = 0  # the CPU swap pool
     max_model_len: int | None = None  # default: the model's
     max_num_batched_tokens: int = 2048  # the largest step, profiled on a GPU
+    num_threads: int | None = None  # torch's CPU threads; None: torch's default
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> ExecutorConfig:
@@ -45,6 +47,7 @@ class ExecutorConfig:
             model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_mib * MiB, gpu_memory_utilization=args.gpu_memory_utilization,
             num_blocks=args.num_blocks, cpu_swap_bytes=args.cpu_swap_mib * MiB, max_model_len=args.max_model_len,
+            num_threads=args.threads,
         )
 
 
@@ -73,11 +76,17 @@ def add_executor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, help="exact number of KV blocks (overrides the budget)")
     parser.add_argument("--cpu-swap-mib", type=int, default=0, help="CPU swap pool in MiB")
     parser.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    # In a pod the executor shares the CPU with the frontend and block manager; an OpenMP team that
+    # expects every core stalls at each barrier when one of its threads is descheduled (seen here: 10x).
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                        help="torch CPU threads (default: all cores but one)")
 
 
 def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:
     """Loads the model, sizes the cache, runs a warm-up step."""
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
     dtype = DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     backend = get_backend("triton" if device.type == "cuda" else "torch")
     source = resolve_model(config.model)

@@ -44,7 +44,7 @@ def _executor_args(args: argparse.Namespace) -> list[str]:
     out = ["executor", "--model", args.model, "--block-size", str(args.block_size),
            "--kv-cache-mib", str(args.kv_cache_mib), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--cpu-swap-mib", str(args.cpu_swap_mib)]
-    for flag in ("dtype", "device", "num_blocks", "max_model_len"):
+    for flag in ("dtype", "device", "num_blocks", "max_model_len", "threads"):
         if getattr(args, flag) is not None:
             out += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return out
