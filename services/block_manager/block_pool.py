@@ -93,6 +93,18 @@ class BlockPool:
         self.num_cached_free = 0  # free blocks still holding a registered prefix (evictable)
         self.num_filled_used = 0  # sum of num_filled over referenced blocks: KV utilization in O(1)
         self.num_evictions = 0
+        # During a step, blocks released to refcount 0 wait here and are handed out only after it: the
+        # executor applies a step's block moves before its writes, so a block must not be read (as a
+        # copy or swap source) and rewritten (as a destination) within the same step.
+        self._held_back: dict[int, KVBlock] | None = None
+
+    def begin_step(self) -> None:
+        self._held_back = {}
+
+    def end_step(self) -> None:
+        held_back, self._held_back = self._held_back or {}, None
+        for block in held_back.values():
+            self._to_free_queue(block)
 
     @property
     def num_blocks(self) -> int:
@@ -120,9 +132,12 @@ class BlockPool:
     def acquire(self, block: KVBlock) -> None:
         """Takes one more reference; revives the block if it was free (a prefix-cache hit)."""
         if block.ref_count == 0:
-            self.free_queue.remove(block)
-            if block.block_hash is not None:
-                self.num_cached_free -= 1
+            if self._held_back is not None and block.block_id in self._held_back:
+                del self._held_back[block.block_id]  # released earlier in this step, never queued
+            else:
+                self.free_queue.remove(block)
+                if block.block_hash is not None:
+                    self.num_cached_free -= 1
             self.num_filled_used += block.num_filled
         block.ref_count += 1
 
@@ -137,11 +152,17 @@ class BlockPool:
         block.ref_count -= 1
         if block.ref_count == 0:
             self.num_filled_used -= block.num_filled
-            if block.block_hash is not None:
-                self.free_queue.append(block)
-                self.num_cached_free += 1
+            if self._held_back is not None:
+                self._held_back[block.block_id] = block
             else:
-                self.free_queue.appendleft(block)
+                self._to_free_queue(block)
+
+    def _to_free_queue(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            self.free_queue.append(block)
+            self.num_cached_free += 1
+        else:
+            self.free_queue.appendleft(block)
 
     def register(self, block: KVBlock, block_hash: bytes) -> bool:
         """Publishes a full, computed block under its content hash. False if that content is cached already."""

@@ -9,6 +9,14 @@ class CpuBlockPool:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {num_blocks}")
         self.ref_counts = [0] * num_blocks
         self._free_ids = list(range(num_blocks - 1, -1, -1))  # a stack: lowest id handed out first
+        self._held_back: list[int] | None = None  # freed during a step: reusable after it (see BlockPool)
+
+    def begin_step(self) -> None:
+        self._held_back = []
+
+    def end_step(self) -> None:
+        held_back, self._held_back = self._held_back or [], None
+        self._free_ids.extend(held_back)
 
     @property
     def num_blocks(self) -> int:
@@ -34,7 +42,7 @@ class CpuBlockPool:
         assert self.ref_counts[block_id] > 0, f"cpu block {block_id} released more often than acquired"
         self.ref_counts[block_id] -= 1
         if self.ref_counts[block_id] == 0:
-            self._free_ids.append(block_id)
+            (self._free_ids if self._held_back is None else self._held_back).append(block_id)
 
     def reset(self) -> None:
         self.ref_counts = [0] * self.num_blocks

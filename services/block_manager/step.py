@@ -102,6 +102,7 @@ class _Shadow:
     # slots only after every copy, swap and free of the step, so a later fork, swap-out or free would see
     # (or hand out) blocks whose contents are not there yet; after a create, its slot count is unknown.
     sealed: str = ""
+    swapped_in: bool = False
 
 
 class _Validator:
@@ -211,9 +212,12 @@ class _Validator:
                 if not op.seq_ids or len(set(op.seq_ids)) != len(op.seq_ids):
                     raise InvalidStep(f"{at}.{name}.seq_ids: must be non-empty and distinct, got {list(op.seq_ids)}")
                 for seq_id in op.seq_ids:
-                    self.existing(seq_id, f"{at}.{name}.seq_ids", resident=isinstance(op, SwapOutOp)).swapped = (
-                        isinstance(op, SwapOutOp)
-                    )
+                    seq = self.existing(seq_id, f"{at}.{name}.seq_ids", resident=isinstance(op, SwapOutOp))
+                    if isinstance(op, SwapOutOp) and seq.swapped_in:  # its blocks are written by this step
+                        raise InvalidStep(f"{at}.swap_out.seq_ids: sequence {seq_id} was swapped in earlier in this"
+                                          " step; it can be swapped out in the next")
+                    seq.swapped = isinstance(op, SwapOutOp)
+                    seq.swapped_in = not seq.swapped
 
 
 def _check_token_ids(token_ids: Sequence[int], where: str) -> None:
@@ -228,7 +232,13 @@ def apply_step(manager: BlockManager, ops: Sequence[Op]) -> list[OpOutcome]:
     for index, op in enumerate(ops):
         validator.check(index, op)
     refused: set[int] = set()
-    return [_apply(manager, op, refused) for op in ops]
+    manager.pool.begin_step()
+    manager.cpu_pool.begin_step()
+    try:
+        return [_apply(manager, op, refused) for op in ops]
+    finally:
+        manager.pool.end_step()
+        manager.cpu_pool.end_step()
 
 
 def _apply(manager: BlockManager, op: Op, refused: set[int]) -> OpOutcome:

@@ -240,3 +240,18 @@ def test_admit_reserves_first_chunk_after_prefix_hits_or_changes_nothing() -> No
     assert not m.admit(3, [9] * 8, NS_A, max_tokens=8).granted
     assert 3 not in m.seqs and (m.stats(), [b.block_id for b in m.pool.free_queue]) == before
     m.check_integrity()
+
+
+def test_blocks_freed_in_a_step_are_handed_out_only_after_it() -> None:
+    """The executor applies a step's copies and swaps before its writes: a block freed in a step and
+    handed out in the same step could be overwritten before an earlier op of the step read it."""
+    from pagedserve.services.block_manager.step import AdmitOp, FreeOp, apply_step
+
+    m = BlockManager(num_blocks=4, block_size=2)
+    fill(m, 1, [1, 2, 3])  # blocks 0, 1
+    outcomes = apply_step(m, [FreeOp(1), AdmitOp(2, [7, 8, 9, 9, 9, 9], NS_A, 6)])
+    assert not outcomes[1].granted  # 3 blocks needed: blocks 0 and 1 are freed but held back in this step
+    assert m.stats().num_free_blocks == 4
+    outcomes = apply_step(m, [AdmitOp(2, [7, 8, 9, 9, 9, 9], NS_A, 6)])  # the next step may use them
+    assert outcomes[0].granted
+    m.check_integrity()
