@@ -232,13 +232,22 @@ def apply_step(manager: BlockManager, ops: Sequence[Op]) -> list[OpOutcome]:
     for index, op in enumerate(ops):
         validator.check(index, op)
     refused: set[int] = set()
-    manager.pool.begin_step()
-    manager.cpu_pool.begin_step()
+    outcomes = []
+    holding_back = False
     try:
-        return [_apply(manager, op, refused) for op in ops]
+        for op in ops:
+            # From the first op whose outcome the executor may read blocks for (a copy-on-write or a
+            # swap), blocks freed in this step wait for the next one; frees before it need not wait.
+            if not holding_back and isinstance(op, ReserveOp | DecodeOp | SwapOutOp | SwapInOp):
+                manager.pool.begin_step()
+                manager.cpu_pool.begin_step()
+                holding_back = True
+            outcomes.append(_apply(manager, op, refused))
     finally:
-        manager.pool.end_step()
-        manager.cpu_pool.end_step()
+        if holding_back:
+            manager.pool.end_step()
+            manager.cpu_pool.end_step()
+    return outcomes
 
 
 def _apply(manager: BlockManager, op: Op, refused: set[int]) -> OpOutcome:

@@ -243,15 +243,18 @@ def test_admit_reserves_first_chunk_after_prefix_hits_or_changes_nothing() -> No
 
 
 def test_blocks_freed_in_a_step_are_handed_out_only_after_it() -> None:
-    """The executor applies a step's copies and swaps before its writes: a block freed in a step and
-    handed out in the same step could be overwritten before an earlier op of the step read it."""
-    from pagedserve.services.block_manager.step import AdmitOp, FreeOp, apply_step
+    """The executor applies a step's copies and swaps before its writes: a block freed in a step after a
+    copy or swap could be read, and handed out in the same step, could be overwritten before it is read."""
+    from pagedserve.services.block_manager.step import AdmitOp, FreeOp, ReserveOp, apply_step
 
     m = BlockManager(num_blocks=4, block_size=2)
     fill(m, 1, [1, 2, 3])  # blocks 0, 1
+    fill(m, 3, [5])  # block 2
+    outcomes = apply_step(m, [ReserveOp(3, 0), FreeOp(1), AdmitOp(2, [7, 8, 9, 9, 9, 9], NS_A, 6)])
+    assert not outcomes[2].granted  # 3 blocks needed: 0 and 1 are freed after a reserve, so held back
+    assert m.stats().num_free_blocks == 3
+    # frees before any op that may copy or swap release at once: the same admission fits
+    fill(m, 1, [1, 2, 3])
     outcomes = apply_step(m, [FreeOp(1), AdmitOp(2, [7, 8, 9, 9, 9, 9], NS_A, 6)])
-    assert not outcomes[1].granted  # 3 blocks needed: blocks 0 and 1 are freed but held back in this step
-    assert m.stats().num_free_blocks == 4
-    outcomes = apply_step(m, [AdmitOp(2, [7, 8, 9, 9, 9, 9], NS_A, 6)])  # the next step may use them
-    assert outcomes[0].granted
+    assert outcomes[1].granted
     m.check_integrity()
