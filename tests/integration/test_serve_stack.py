@@ -227,3 +227,36 @@ def test_preemption_under_a_tiny_budget_keeps_greedy_output(tiny_chat_model_dir:
         assert preemptions > 0
     finally:
         assert small.stop() is not None and small.proc.returncode == 0
+
+
+def test_logprobs_and_chat_client(pod: Pod) -> None:
+    chunks, _ = pod.generate(PROMPTS[0], max_tokens=4, logprobs=2, ignore_eos=True)
+    for chunk in chunks[:-1]:
+        (entry,) = chunk.logprobs
+        assert entry.token_id == chunk.token_ids[0] and len(entry.top_token_ids) == 2
+        assert entry.logprob <= 0 and entry.top_logprobs[0] >= entry.top_logprobs[1]
+        assert entry.top_token_ids[0] == entry.token_id  # greedy: the chosen token is the most likely
+    assert not pod.generate(PROMPTS[0], max_tokens=2)[0][0].logprobs  # only when asked
+    chat = subprocess.run([sys.executable, "-m", "pagedserve", "chat", "--address", pod.address, "--max-tokens", "5"],
+                          input="Hello!\nAnd again?\n", capture_output=True, text=True, timeout=120, check=True,
+                          env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert len([line for line in chat.stdout.splitlines() if line.strip()]) == 2  # one reply per message
+
+
+def test_serve_reports_a_component_that_dies(tiny_chat_model_dir: Path) -> None:
+    import argparse
+
+    from pagedserve.services.frontend.stack import Stack, add_arguments, watch
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_chat_model_dir), "--port", str(free_port()), "--device", "cpu",
+                              "--num-blocks", "32", "--block-size", "4"])
+    stack = Stack()
+    try:
+        stack.start(args)
+        stack.services["executor"].proc.kill()  # a process this test started (through the stack)
+        assert watch(stack, f"{args.host}:{args.port}", interval=0.1) == 1
+    finally:
+        stack.stop()
+    assert all(s.proc.poll() is not None for s in stack.services.values())
