@@ -8,7 +8,7 @@ import grpc
 
 from ...protos import block_manager_pb2 as pb
 from ...protos import block_manager_pb2_grpc as pb_grpc
-from ..common.grpc_server import MAX_MESSAGE_BYTES
+from ..common.grpc_server import CHANNEL_OPTIONS
 from .manager import BlockCopy, BlockTableDelta
 from .stats import BlockStats
 from .step import (
@@ -25,9 +25,6 @@ from .step import (
     SwapInOp,
     SwapOutOp,
 )
-
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
 def op_to_proto(op: Op) -> pb.Op:

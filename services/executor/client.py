@@ -6,13 +6,10 @@ import grpc
 
 from ...protos import executor_pb2 as pb
 from ...protos import executor_pb2_grpc as pb_grpc
-from ..common.grpc_server import MAX_MESSAGE_BYTES
+from ..common.grpc_server import CHANNEL_OPTIONS
 from .engine_config import ExecutorInfo
 from .runner import StepInput
 from .sampling import SampledToken
-
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
 def step_to_proto(step: StepInput) -> pb.ExecuteRequest:
