@@ -130,3 +130,18 @@ def test_health_is_not_serving_until_the_model_is_loaded() -> None:
             assert pb_grpc.ExecutorStub(channel).Info(pb.InfoRequest()).model == "smollm2-135m"
     finally:
         assert stop_service(service) == 0
+
+
+def test_frontend_refuses_a_block_manager_that_disagrees(executor: ServiceProcess, tiny_llama_dir: Path) -> None:
+    with running_service(["block-manager", "--num-blocks", "30", "--block-size", str(BLOCK)]) as block_manager:
+        frontend = start_service(["frontend", "--block-manager", block_manager.address, "--executor", executor.address,
+                                  "--model", str(tiny_llama_dir)], until_serving=False)
+        try:
+            assert frontend.proc.wait(timeout=120) == 2
+            deadline = time.monotonic() + 10  # the reader thread may still be collecting the last lines
+            while "disagree" not in "".join(frontend.output) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            output = "".join(frontend.output)
+            assert "disagree on the KV cache" in output and "KV blocks: executor 32, block manager 30" in output
+        finally:
+            stop_service(frontend)
