@@ -227,10 +227,13 @@ def paged_prefill_attention_ref(
         k = gather_kv(k_cache, block_ids, seq_len).transpose(0, 1).float()
         v = gather_kv(v_cache, block_ids, seq_len).transpose(0, 1).float()
         q_seq = q[q_start:q_end].transpose(0, 1).float()  # [num_heads, q_len, head_dim]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-        o = F.scaled_dot_product_attention(
-            q_seq, k, v, attn_mask=visible, scale=scale, enable_gqa=group_size > 1
-        )  # [num_heads, q_len, head_dim]
+        if q_len == seq_len:  # a whole prompt: the plain causal kernel, as dense implementations run it
+            o = F.scaled_dot_product_attention(q_seq, k, v, is_causal=True, scale=scale, enable_gqa=group_size > 1)
+        else:  # a chunk after cached keys: query i sits at position seq_len - q_len + i
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+            o = F.scaled_dot_product_attention(
+                q_seq, k, v, attn_mask=visible, scale=scale, enable_gqa=group_size > 1
+            )  # [num_heads, q_len, head_dim]
         out[q_start:q_end] = o.transpose(0, 1)
     return out
