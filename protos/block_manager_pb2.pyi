@@ -147,7 +147,13 @@ Global___Create: _TypeAlias = Create  # noqa: Y015
 class Admit(_message.Message):
     """Create plus the reservation of the first chunk (num_tokens slots after the cached prefix, fewer when
     the prompt runs out), above the watermark, as one act: refused, nothing changes and the sequence does
-    not exist. No other op but Free may name the sequence in the same step (its slot count depends on hits).
+    not exist.
+
+    Rules within one Step (violations are INVALID_ARGUMENT, nothing applied): after a Create, Admit, Reserve
+    or Decode of a sequence, no later op of the step may name it (the executor writes its new slots only
+    after the step's copies and swaps; after a Create its slot count depends on prefix hits); a sequence
+    swapped in cannot be swapped out in the same step. Blocks freed from the first Reserve, Decode, SwapOut
+    or SwapIn of a step on are handed out only in the next step.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -114,6 +114,10 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return self.free_queue.num_free_blocks
 
+    def in_free_queue(self, block: KVBlock) -> bool:
+        """Whether reviving this block takes one of the num_free_blocks (a held-back one does not)."""
+        return block.ref_count == 0 and (self._held_back is None or block.block_id not in self._held_back)
+
     def allocate(self) -> KVBlock:
         """Hands out the least recently useful free block, evicting the prefix it held."""
         block = self.free_queue.popleft()

@@ -159,7 +159,7 @@ class BlockManager:
         hits = self._prefix_hits(seq_id, token_ids, namespace)
         cached = len(hits) * self.block_size
         num_tokens = min(max_tokens, len(token_ids) - cached)
-        revived = sum(1 for block, _ in hits if block.ref_count == 0)
+        revived = sum(1 for block, _ in hits if self.pool.in_free_queue(block))
         new_blocks = -(-(cached + num_tokens) // self.block_size) - len(hits)
         if revived + new_blocks > self._budget(admission=True):
             return REFUSED_ADMISSION
@@ -349,7 +349,7 @@ class BlockManager:
                 if cached is not None:
                     reuse[cpu_id] = cached
         to_copy = [cpu_id for cpu_id in src_slots if cpu_id not in reuse]
-        revived = {block.block_id for block in reuse.values() if block.ref_count == 0}  # one block may serve two
+        revived = {block.block_id for block in reuse.values() if self.pool.in_free_queue(block)}  # may serve two
         needed = len(to_copy) + len(revived)
         if needed > self._budget(admission=True):
             return REFUSED_SWAP

@@ -1,10 +1,12 @@
 """A brute-force reference model of the KV block allocator, and a simulated KV cache, for the stateful test.
 
-Written from docs (design.md, "Block life cycle and cache identity") and the BlockManager contract, not from
-the implementation. The model never hashes: a full block's identity is (namespace, every token up to the
-block's end), which is exactly what the chained key H(parent, tokens) stands for. Reference counts are
-recounted from the block tables each time. The manager chooses block ids; the model only checks that each
-choice is legal (the least recently useful free blocks, in LRU order) and then follows the returned deltas.
+Written from the specification (design.md "Block life cycle and cache identity", block_manager.proto and
+executor.proto, the docstrings of BlockManager and apply_step), not from the implementation. The model never
+hashes: a full block's identity is (namespace, every token up to the block's end), which is exactly what the
+chained key H(parent, tokens) stands for. Reference counts are recounted from the block tables each time. The
+manager chooses block ids; the model only checks that each choice is legal (the least recently useful free
+blocks, in LRU order) and then follows the returned deltas. Within one apply_step, from its first op that may copy
+or swap, blocks (device and CPU) freed are held back until the step ends (`hold_back`, `end_step`).
 
 The simulated KV of the token at position p is (namespace, token_ids[:p + 1]): what a real KV entry depends
 on. So reading a sequence's table back also proves that a shared or cached block holds the same prefix, in
@@ -56,6 +58,10 @@ class AllocatorModel:
         self.watermark = watermark
         self.watermark_blocks = int(watermark * num_blocks)  # admission must leave this many blocks free
         self.free_order = list(range(num_blocks))  # head: handed out next
+        # In a step, from its first op that may copy or swap, freed blocks are held back (in order) and handed
+        # out only after the step: the executor runs a step's copies and swaps before its writes.
+        self.held: list[int] | None = None
+        self.cpu_held: set[int] = set()
         self.block_key: dict[int, Key] = {}  # registered blocks (in use or free-but-cached)
         self.cached: dict[Key, int] = {}
         self.seqs: dict[int, ModelSeq] = {}
@@ -71,7 +77,7 @@ class AllocatorModel:
         return sum(cpu_id in (seq.cpu_table or ()) for seq in self.seqs.values())
 
     def num_free_cpu_blocks(self) -> int:
-        return sum(self.cpu_ref_count(c) == 0 for c in range(self.num_cpu_blocks))
+        return sum(self.cpu_ref_count(c) == 0 and c not in self.cpu_held for c in range(self.num_cpu_blocks))
 
     def resident_ids(self) -> list[int]:
         return sorted(i for i, seq in self.seqs.items() if seq.cpu_table is None)
@@ -107,12 +113,40 @@ class AllocatorModel:
         seq.num_slots = seq.num_computed = len(seq.table) * self.block_size
         assert num_cached == seq.num_computed, f"create {seq_id}: {num_cached} cached tokens, model {seq.num_computed}"
         assert deltas == [BlockTableDelta(seq_id, 0, tuple(seq.table))], f"create {seq_id}: {deltas}"
-        for block_id in seq.table:
-            if block_id in self.free_order:  # a hit revives a free cached block
-                self.free_order.remove(block_id)
+        for block_id in seq.table:  # a hit revives a free cached block
+            self._revive(block_id)
         self.seqs[seq_id] = seq
         self.prefix_queries += len(token_ids)
         self.prefix_hits += seq.num_computed
+
+    def admit(self, seq_id: int, token_ids: list[int], namespace: bytes, max_tokens: int, granted: bool,
+              num_cached: int, num_tokens: int, slot_mapping: list[int], deltas: list[BlockTableDelta]) -> Effects:
+        """Create plus the first chunk (at most max_tokens after the cached prefix) above the watermark, as one
+        act: refused, nothing changes and the sequence does not exist."""
+        probe = ModelSeq(namespace, list(token_ids))
+        hits: list[int] = []
+        for i in range((len(token_ids) - 1) // self.block_size):
+            if self.key(probe, i) not in self.cached:
+                break
+            hits.append(self.cached[self.key(probe, i)])
+        cached = len(hits) * self.block_size
+        chunk = min(max_tokens, len(token_ids) - cached)
+        revived = sum(self.ref_count(b) == 0 for b in hits)
+        new_blocks = -(-(cached + chunk) // self.block_size) - len(hits)
+        budget = self.budget(admission=True)
+        assert granted == (revived + new_blocks <= budget), (
+            f"admit {seq_id}: granted={granted}, model: {revived} revived + {new_blocks} new, budget {budget}"
+        )
+        if not granted:
+            assert (num_cached, num_tokens, slot_mapping, deltas) == (0, 0, [], []), "a refused admit returned work"
+            return NO_EFFECTS
+        assert num_tokens == chunk, f"admit {seq_id}: {num_tokens} tokens reserved, model {chunk}"
+        assert len(deltas) == 1 and deltas[0].keep == 0 and tuple(deltas[0].append[: len(hits)]) == tuple(hits), (
+            f"admit {seq_id}: delta {deltas}, cached blocks {hits}"
+        )
+        self.create(seq_id, token_ids, namespace, num_cached, [BlockTableDelta(seq_id, 0, tuple(hits))])
+        grown = [BlockTableDelta(seq_id, len(hits), deltas[0].append[len(hits) :])] if new_blocks else []
+        return self._grow(seq_id, chunk, slot_mapping, [], grown)
 
     def fork(self, parent_id: int, child_id: int, deltas: list[BlockTableDelta]) -> None:
         parent = self.seqs[parent_id]
@@ -123,7 +157,7 @@ class AllocatorModel:
 
     def reserve(self, seq_id: int, num_tokens: int, append: list[int], admission: bool, granted: bool,
                 slot_mapping: list[int], copies: list[BlockCopy], deltas: list[BlockTableDelta]) -> Effects:
-        seq, bs = self.seqs[seq_id], self.block_size
+        seq = self.seqs[seq_id]
         num_new, cow = self.blocks_needed(seq, num_tokens)
         expected = num_new + cow <= self.budget(admission)
         assert granted == expected, (
@@ -133,13 +167,45 @@ class AllocatorModel:
             assert (slot_mapping, copies, deltas) == ([], [], []), "a refused reservation returned work"
             return NO_EFFECTS
         seq.token_ids.extend(append)
+        return self._grow(seq_id, num_tokens, slot_mapping, copies, deltas)
+
+    def decode(self, seq_ids: list[int], token_ids: list[int], skipped: set[int], slot_mapping: list[int],
+               copies: list[BlockCopy], deltas: list[BlockTableDelta], refused_ids: list[int]) -> Effects:
+        """Per sequence not in `skipped`: commit(num_slots), then reserve(1, [token]); answers concatenated."""
+        refused = [i for i in seq_ids if i in skipped]
+        effects: list[Effects] = []
+        for seq_id, token in zip(seq_ids, token_ids, strict=True):
+            if seq_id in skipped:
+                continue
+            seq = self.seqs[seq_id]
+            self.commit(seq_id, seq.num_slots)
+            num_new, cow = self.blocks_needed(seq, 1)
+            if num_new + cow > self.budget(admission=False):
+                refused.append(seq_id)
+                continue
+            seq.token_ids.append(token)
+            slots, slot_mapping = slot_mapping[:1], slot_mapping[1:]
+            cow_copies, copies = copies[: int(cow)], copies[int(cow) :]
+            seq_deltas, deltas = deltas[: int(num_new + cow > 0)], deltas[int(num_new + cow > 0) :]
+            effects.append(self._grow(seq_id, 1, slots, cow_copies, seq_deltas))
+        assert (slot_mapping, copies, deltas) == ([], [], []), f"decode returned extra work {slot_mapping, copies}"
+        assert refused_ids == refused, f"decode refused {refused_ids}, model {refused}"
+        return Effects([b for e in effects for b in e.allocated], [c for e in effects for c in e.copies],
+                       [w for e in effects for w in e.writes])
+
+    def _grow(self, seq_id: int, num_tokens: int, slot_mapping: list[int], copies: list[BlockCopy],
+              deltas: list[BlockTableDelta]) -> Effects:
+        """A granted reservation of the next num_tokens known tokens: check the answer, follow it."""
+        seq, bs = self.seqs[seq_id], self.block_size
+        num_new, cow = self.blocks_needed(seq, num_tokens)
         old, start = list(seq.table), seq.num_slots
         keep = len(old) - cow
         allocated: list[int] = []
         if num_new + cow == 0:
             assert deltas == [], f"reserve {seq_id}: table unchanged but deltas {deltas}"
         else:
-            (delta,) = deltas
+            assert len(deltas) == 1, f"reserve {seq_id}: deltas {deltas}"
+            delta = deltas[0]
             assert (delta.seq_id, delta.keep, len(delta.append)) == (seq_id, keep, num_new + cow), delta
             allocated = list(delta.append)
             self._take(allocated)
@@ -173,6 +239,7 @@ class AllocatorModel:
     def free(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id)
         self._settle(list(reversed(seq.table)))  # tail first: a prefix's head blocks are evicted last
+        self._settle_cpu(seq.cpu_table or [])
 
     def swap_out(self, seq_ids: list[int], granted: bool, copies: list[BlockCopy],
                  deltas: list[BlockTableDelta]) -> Effects:
@@ -190,7 +257,8 @@ class AllocatorModel:
         assert sorted((c.src, c.num_slots) for c in copies) == sorted(filled.items()), f"swap-out copies {copies}"
         dst = {c.src: c.dst for c in copies}
         assert len(set(dst.values())) == len(dst), f"two device blocks swapped into one cpu block: {copies}"
-        assert all(self.cpu_ref_count(c) == 0 for c in dst.values()), f"swapped into a cpu block in use: {copies}"
+        assert all(self.cpu_ref_count(c) == 0 and c not in self.cpu_held for c in dst.values()), (
+            f"swapped into a cpu block in use or freed earlier in this step: {copies}")
         assert sorted(deltas) == sorted(BlockTableDelta(i, 0, ()) for i in seq_ids), deltas
         for seq in seqs:
             old, seq.table, seq.cpu_table = seq.table, [], [dst[b] for b in seq.table]
@@ -198,32 +266,49 @@ class AllocatorModel:
         self.swapped_out_blocks += len(filled)
         return Effects([], [("swap_out", c) for c in copies], [])
 
-    def swap_in(self, seq_ids: list[int], granted: bool, copies: list[BlockCopy],
-                deltas: list[BlockTableDelta]) -> Effects:
-        seqs = [self.seqs[i] for i in seq_ids]
+    def swap_in_plan(self, seq_ids: list[int]) -> tuple[dict[int, int], dict[int, int], set[int]]:
+        """(valid slots of each cpu block, the cached device block reused for a cpu block, the reused blocks no
+        table holds): a swap-in needs a fresh device block per cpu block not reused, and the revived ones."""
         filled: dict[int, int] = {}
-        for seq in seqs:
+        reuse: dict[int, int] = {}  # cpu id -> cached device block with that content
+        for seq in (self.seqs[i] for i in seq_ids):
             assert seq.cpu_table is not None
             for i, cpu_id in enumerate(seq.cpu_table):
                 filled[cpu_id] = max(filled.get(cpu_id, 0), seq.filled(i, self.block_size))
-        budget = self.budget(admission=True)
-        assert granted == (len(filled) <= budget), f"swap_in {seq_ids}: {len(filled)} blocks, budget {budget}"
+                if i < len(seq.keys) and seq.keys[i] in self.cached:
+                    reuse[cpu_id] = self.cached[seq.keys[i]]
+        return filled, reuse, {b for b in reuse.values() if self.ref_count(b) == 0}
+
+    def swap_in(self, seq_ids: list[int], granted: bool, copies: list[BlockCopy],
+                deltas: list[BlockTableDelta]) -> Effects:
+        """Full computed blocks still in the device prefix cache are reused from there; the rest is copied."""
+        seqs = [self.seqs[i] for i in seq_ids]
+        filled, reuse, revived = self.swap_in_plan(seq_ids)
+        to_copy = [c for c in filled if c not in reuse]
+        needed, budget = len(to_copy) + len(revived), self.budget(admission=True)
+        assert granted == (needed <= budget), f"swap_in {seq_ids}: needs {needed} blocks, budget {budget}"
         if not granted:
             assert (copies, deltas) == ([], []), "a refused swap returned work"
             return NO_EFFECTS
-        assert sorted((c.src, c.num_slots) for c in copies) == sorted(filled.items()), f"swap-in copies {copies}"
+        assert sorted((c.src, c.num_slots) for c in copies) == sorted((c, filled[c]) for c in to_copy), (
+            f"swap-in copies {copies}, model copies {[(c, filled[c]) for c in to_copy]} and reuses {reuse}"
+        )
+        for block_id in revived:
+            self._revive(block_id)
         dst = {c.src: c.dst for c in copies}
         self._take(list(dst.values()))
+        dst.update(reuse)
         expected = [BlockTableDelta(i, 0, tuple(dst[c] for c in s.cpu_table or ()))
                     for i, s in zip(seq_ids, seqs, strict=True)]
         assert sorted(deltas) == sorted(expected), f"swap-in deltas {deltas}, model {expected}"
         for seq in seqs:
             seq.table, seq.cpu_table = [dst[c] for c in seq.cpu_table or ()], None
+        self._settle_cpu(list(filled))
         for seq in seqs:  # the keys are known: the new blocks rejoin the cache where no block holds them
             for block_id, key in zip(seq.table, seq.keys, strict=False):
                 self._publish(block_id, key)
-        self.swapped_in_blocks += len(filled)
-        return Effects(list(dst.values()), [("swap_in", c) for c in copies], [])
+        self.swapped_in_blocks += len(to_copy)
+        return Effects([c.dst for c in copies], [("swap_in", c) for c in copies], [])
 
     # ---- free queue and prefix index -----------------------------------------------------------------
 
@@ -241,14 +326,34 @@ class AllocatorModel:
                 del self.cached[key]
                 self.evictions += 1
 
+    def hold_back(self) -> None:
+        self.held = []
+
+    def end_step(self) -> None:
+        held, self.held, self.cpu_held = self.held or [], None, set()
+        self._settle(held)
+
+    def _revive(self, block_id: int) -> None:
+        if block_id in self.free_order:
+            self.free_order.remove(block_id)
+        elif self.held is not None and block_id in self.held:
+            self.held.remove(block_id)
+
     def _settle(self, released: list[int]) -> None:
-        """Blocks no table holds any more join the free queue: cached at the tail, the rest at the head."""
+        """Blocks no table holds any more join the free queue (cached at the tail, the rest at the head), or,
+        while a step holds freed blocks back, wait in the order freed."""
         for block_id in released:
-            if self.ref_count(block_id) == 0 and block_id not in self.free_order:
-                if block_id in self.block_key:
+            if self.ref_count(block_id) == 0 and block_id not in self.free_order + (self.held or []):
+                if self.held is not None:
+                    self.held.append(block_id)
+                elif block_id in self.block_key:
                     self.free_order.append(block_id)
                 else:
                     self.free_order.insert(0, block_id)
+
+    def _settle_cpu(self, released: list[int]) -> None:
+        if self.held is not None:
+            self.cpu_held.update(c for c in released if self.cpu_ref_count(c) == 0)
 
     def _publish(self, block_id: int, key: Key) -> None:
         if block_id in self.block_key:
@@ -262,7 +367,8 @@ class AllocatorModel:
     def check(self) -> None:
         bs = self.block_size
         free = [b for b in range(self.num_blocks) if self.ref_count(b) == 0]
-        assert sorted(self.free_order) == free and len(set(self.free_order)) == len(self.free_order)
+        queued = self.free_order + (self.held or [])
+        assert sorted(queued) == free and len(set(queued)) == len(queued)
         assert {b: k for k, b in self.cached.items()} == self.block_key
         for seq_id, seq in self.seqs.items():
             table = seq.table if seq.cpu_table is None else seq.cpu_table
@@ -332,10 +438,13 @@ class KVCacheSim:
             self.device[slot // self.block_size][slot % self.block_size] = kv
 
     def apply_step_as_executor(self, step: list[Effects]) -> None:
-        """A whole step as the executor runs it: every copy of the step, then the forward pass's writes."""
-        for effects in step:
-            for kind, c in effects.copies:
-                self.copy(kind, c)
+        """A whole step as executor.proto says the executor runs it: every swap-out of the step, then every
+        swap-in, then every copy-on-write copy, then the forward pass's writes."""
+        for kind in ("swap_out", "swap_in", "cow"):
+            for effects in step:
+                for copy_kind, c in effects.copies:
+                    if copy_kind == kind:
+                        self.copy(kind, c)
         for effects in step:
             for slot, kv in effects.writes:
                 self.device[slot // self.block_size][slot % self.block_size] = kv

@@ -258,3 +258,15 @@ def test_blocks_freed_in_a_step_are_handed_out_only_after_it() -> None:
     outcomes = apply_step(m, [FreeOp(1), AdmitOp(2, [7, 8, 9, 9, 9, 9], NS_A, 6)])
     assert outcomes[1].granted
     m.check_integrity()
+
+
+def test_reviving_a_held_back_cached_block_takes_no_free_block() -> None:
+    from pagedserve.services.block_manager.step import AdmitOp, FreeOp, ReserveOp, apply_step
+
+    m = BlockManager(num_blocks=4, block_size=2, watermark=0.0)
+    apply_step(m, [AdmitOp(1, [1, 2, 3], NS_A, 3), AdmitOp(2, [9], NS_A, 1)])
+    m.commit(1, 3)  # block 0 holds [1, 2] and is cached
+    outcomes = apply_step(m, [ReserveOp(2, 0), FreeOp(1), AdmitOp(3, [1, 2, 5], NS_A, 1)])
+    # one free block: the hit revives held-back block 0 (not a free one) and the new token needs one
+    assert outcomes[2].granted and outcomes[2].num_cached_tokens == 2
+    m.check_integrity()
