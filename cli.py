@@ -23,6 +23,7 @@ BENCHMARKS = {
     "blocks": ("pagedserve.benchmarks.blocks", "block-manager utilization and step latency"),
     "executor": ("pagedserve.benchmarks.executor", "generation throughput vs HF transformers generate()"),
     "kernels": ("pagedserve.benchmarks.kernels", "paged decode attention bandwidth and speed vs SDPA"),
+    "serve": ("pagedserve.benchmarks.serve", "the serving stack under a workload, vs HF transformers"),
 }
 
 

@@ -74,3 +74,4 @@ def test_bench_serve_json_smoke(tiny_chat_model_dir: Path, tmp_path: Path) -> No
     assert result["throughput_tok_s"] > 0 and result["hf_throughput_tok_s"] > 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "serve.json").read_text()) == result
+
