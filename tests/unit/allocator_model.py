@@ -131,7 +131,8 @@ class AllocatorModel:
             hits.append(self.cached[self.key(probe, i)])
         cached = len(hits) * self.block_size
         chunk = min(max_tokens, len(token_ids) - cached)
-        revived = sum(self.ref_count(b) == 0 for b in hits)
+        held = self.held or []
+        revived = sum(self.ref_count(b) == 0 and b not in held for b in hits)  # a held-back block is no free one
         new_blocks = -(-(cached + chunk) // self.block_size) - len(hits)
         budget = self.budget(admission=True)
         assert granted == (revived + new_blocks <= budget), (
@@ -285,7 +286,9 @@ class AllocatorModel:
         seqs = [self.seqs[i] for i in seq_ids]
         filled, reuse, revived = self.swap_in_plan(seq_ids)
         to_copy = [c for c in filled if c not in reuse]
-        needed, budget = len(to_copy) + len(revived), self.budget(admission=True)
+        held = self.held or []
+        needed = len(to_copy) + sum(b not in held for b in revived)  # reviving a held-back block takes no free one
+        budget = self.budget(admission=True)
         assert granted == (needed <= budget), f"swap_in {seq_ids}: needs {needed} blocks, budget {budget}"
         if not granted:
             assert (copies, deltas) == ([], []), "a refused swap returned work"
