@@ -14,7 +14,6 @@ response parsing included.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -24,6 +23,7 @@ from typing import Any
 
 from ..services.block_manager.manager import BlockManager
 from ..services.block_manager.step import DecodeOp, apply_step
+from .report import emit
 from .workloads import RequestSpec, sharegpt_like
 
 NAMESPACE = b"bench-namespace!"
@@ -199,12 +199,4 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> None:
-    result = run(args)
-    line = json.dumps(result)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if not args.json:
-        for key, value in result.items():
-            print(f"{key:>26}: {value}")
-    print(line)
+    emit(run(args), args)

@@ -10,13 +10,14 @@ process with the same torch thread count, alternating the two sides `--repeats` 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .report import emit
 
 TEXTS = [
     "The history of the printing press begins", "Write a short poem about the sea.", "def quicksort(items):",
@@ -96,11 +97,4 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> None:
-    result = run(args)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if not args.json:
-        for key, value in result.items():
-            print(f"{key:>22}: {value}")
-    print(json.dumps(result))
+    emit(run(args), args)

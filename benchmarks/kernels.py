@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .report import emit
+
 BATCHES = (1, 16, 64, 256)
 CONTEXTS = (512, 4096, 32768)
 GQA_HEADS = {"8:1": (64, 8), "1:1": (32, 32)}  # (query heads, KV heads): Llama-3-70B and Llama-2-7B
@@ -214,11 +216,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    result = run(args)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    emit(run(args), args, table=False)
 
 
 if __name__ == "__main__":

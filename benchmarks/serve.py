@@ -39,6 +39,7 @@ import grpc
 from ..protos import inference_pb2 as pb
 from ..protos import inference_pb2_grpc as pb_grpc
 from ..services.common.processes import ServiceProcess, stop_service, wait_serving
+from .report import emit
 from .workloads import RequestSpec, sharegpt_like
 
 PASSAGE = (
@@ -441,11 +442,4 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> None:
-    result = run(args)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if not args.json:
-        for key, value in result.items():
-            print(f"{key:>30}: {value}")
-    print(json.dumps(result))
+    emit(run(args), args)
