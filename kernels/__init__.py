@@ -9,8 +9,11 @@ from .backend import KernelBackend, get_backend, triton_unavailable_reason
 from .block_copy import copy_blocks, copy_blocks_ref, swap_blocks
 from .cache_write import cache_write, cache_write_ref
 from .paged_decode_attention import (
+    DecodeGather,
     choose_num_splits,
+    decode_gather,
     paged_decode_attention,
+    paged_decode_attention_gathered,
     paged_decode_attention_ref,
     use_split_k,
 )
@@ -18,14 +21,17 @@ from .paged_prefill_attention import paged_prefill_attention, paged_prefill_atte
 
 __all__ = [
     "TRITON_AVAILABLE",
+    "DecodeGather",
     "KernelBackend",
     "cache_write",
     "cache_write_ref",
     "choose_num_splits",
     "copy_blocks",
     "copy_blocks_ref",
+    "decode_gather",
     "get_backend",
     "paged_decode_attention",
+    "paged_decode_attention_gathered",
     "paged_decode_attention_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",

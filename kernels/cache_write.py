@@ -106,11 +106,15 @@ def cache_write_ref(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    """Torch reference and CPU path: one indexed assignment per cache (any strides)."""
+    """Torch reference and CPU path: one indexed copy per cache (any strides; contiguous caches are faster)."""
     _check_cache_write_inputs(key, value, k_cache, v_cache, slot_mapping)
     valid = slot_mapping >= 0
     if not bool(valid.all()):  # padding present: drop it (boolean indexing copies, so only when needed)
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    if k_cache.is_contiguous() and v_cache.is_contiguous():  # slots are rows of the flat view: one index_copy_
+        k_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key)
+        v_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
+        return
     block_size = k_cache.shape[1]
     index = (slot_mapping // block_size, slot_mapping % block_size)
     k_cache.index_put_(index, key)

@@ -15,6 +15,8 @@ unnormalized partial result; `_paged_decode_reduce_kernel` merges the splits by 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -267,6 +269,68 @@ def paged_decode_attention(
     return out
 
 
+class DecodeGather(NamedTuple):
+    """Where the torch path reads each sequence's keys and values: computed once per step (it depends only on
+    the block tables) and shared by every layer, whose caches all have the same geometry."""
+
+    rows: torch.Tensor  # [num_seqs * num_kv_heads * max_len] int64: rows of cache.flatten(0, 2), (seq, head, pos)
+    visible: torch.Tensor  # [num_seqs, 1, 1, max_len] bool: position < seq_len
+    nonempty: torch.Tensor  # [num_seqs, 1, 1] bool: seq_len > 0
+    num_kv_heads: int
+    max_len: int
+
+
+def decode_gather(
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    block_size: int,
+    num_kv_heads: int,
+    max_seq_len: int | None = None,
+) -> DecodeGather:
+    """The gather plan of `paged_decode_attention_gathered`. `max_seq_len`, when given, must be at least the
+    longest sequence; it only saves a reduction.
+
+    A padding position (past its sequence's length) reads the sequence's last token instead: a slot the model
+    has written (finite), which the mask then hides. No slot past a sequence is ever read.
+    """
+    num_seqs = block_tables.shape[0]
+    check_block_tables(block_tables, seq_lens, num_seqs)
+    lens = seq_lens.long()
+    max_len = int(lens.max()) if max_seq_len is None and num_seqs else (max_seq_len or 0)
+    steps = torch.arange(max_len, device=block_tables.device)
+    positions = torch.minimum(steps[None, :], (lens - 1).clamp(min=0)[:, None])  # [num_seqs, max_len]
+    slots = block_tables.long().gather(1, positions // block_size).clamp(min=0) * block_size + positions % block_size
+    heads = torch.arange(num_kv_heads, device=block_tables.device)
+    rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]  # [num_seqs, num_kv_heads, max_len]
+    visible = steps[None, :] < lens[:, None]
+    return DecodeGather(rows.flatten(), visible[:, None, None, :], (lens > 0)[:, None, None], num_kv_heads, max_len)
+
+
+def paged_decode_attention_gathered(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    gather: DecodeGather,
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """The CPU serving path: every sequence's keys and values gathered into one contiguous padded batch
+    [num_seqs, num_kv_heads, max_len, head_dim] (one index_select per cache), then a single masked SDPA in
+    fp32. Contiguous K/V matter: SDPA on the CPU is ~4x slower on a transposed gather."""
+    num_seqs, num_heads, head_dim = q.shape
+    cache = check_kv_cache(k_cache, v_cache)
+    assert cache.num_kv_heads == gather.num_kv_heads, f"cache has {cache.num_kv_heads} KV heads, plan {gather}"
+    if gather.max_len == 0:
+        return torch.zeros_like(q)
+    shape = (num_seqs, cache.num_kv_heads, gather.max_len, head_dim)
+    k = k_cache.flatten(0, 2).index_select(0, gather.rows).view(shape).float()
+    v = v_cache.flatten(0, 2).index_select(0, gather.rows).view(shape).float()
+    out = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2), k, v, attn_mask=gather.visible, scale=scale,
+        enable_gqa=num_heads != cache.num_kv_heads,
+    ).squeeze(2)  # [num_seqs, num_heads, head_dim]
+    return torch.where(gather.nonempty, out, 0.0).to(q.dtype)
+
+
 def paged_decode_attention_ref(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -277,29 +341,9 @@ def paged_decode_attention_ref(
     *,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Torch reference and CPU path: gather every sequence's keys and values slot by slot into one padded
-    batch and run a single masked SDPA in fp32 (one call per batch, not per sequence: the CPU serving path).
-
-    `max_seq_len`, when given, must be at least the longest sequence; it only saves a reduction.
-    """
-    num_seqs, num_heads, _ = q.shape
+    """Torch reference and CPU path: `decode_gather` then `paged_decode_attention_gathered`, one masked SDPA
+    for the whole batch. The executor builds the gather once per step and calls the second half per layer."""
     cache = check_kv_cache(k_cache, v_cache)
-    check_block_tables(block_tables, seq_lens, num_seqs)
-    lens = seq_lens.long()
-    max_len = int(lens.max()) if max_seq_len is None and num_seqs else (max_seq_len or 0)
-    if max_len == 0:
-        return torch.zeros_like(q)
-    bs = cache.block_size
-    # A padding position (past its sequence's length) reads the sequence's last token instead: a slot the
-    # model has written (finite), which the mask then hides. No slot past a sequence is ever read.
-    last = (lens - 1).clamp(min=0)[:, None]
-    positions = torch.minimum(torch.arange(max_len, device=q.device)[None, :], last)  # [num_seqs, max_len]
-    index = (block_tables.long().gather(1, positions // bs).clamp(min=0), positions % bs)
-    k = k_cache[index].transpose(1, 2).float()  # [num_seqs, num_kv_heads, max_len, head_dim]
-    v = v_cache[index].transpose(1, 2).float()
-    visible = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [num_seqs, max_len]
-    out = F.scaled_dot_product_attention(
-        q.float().unsqueeze(2), k, v, attn_mask=visible[:, None, None, :], scale=scale,
-        enable_gqa=num_heads != cache.num_kv_heads,
-    ).squeeze(2)  # [num_seqs, num_heads, head_dim]
-    return torch.where((lens > 0)[:, None, None], out, 0.0).to(q.dtype)
+    assert q.shape[0] == block_tables.shape[0], f"{q.shape[0]} queries for {block_tables.shape[0]} block tables"
+    gather = decode_gather(block_tables, seq_lens, cache.block_size, cache.num_kv_heads, max_seq_len)
+    return paged_decode_attention_gathered(q, k_cache, v_cache, gather, scale)

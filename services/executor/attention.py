@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels import KernelBackend
+from ...kernels import DecodeGather, KernelBackend, decode_gather, paged_decode_attention_gathered
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
     decode_seq_lens: torch.Tensor  # [num_decodes] int32: context length including the new token
     max_decode_seq_len: int
+    decode_gather: DecodeGather | None = None  # the torch path's gather plan, built once for every layer
 
     @property
     def num_decodes(self) -> int:
@@ -39,9 +40,13 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     slot_mapping: list[int],
     device: torch.device,
+    *,
+    gather_geometry: tuple[int, int] | None = None,
 ) -> AttentionMetadata:
     """From per-sequence lists in which the caller placed every sequence with query_len > 1 first.
-    A single-token chunk takes the decode kernel: one query at the end of its context is exactly a decode."""
+    A single-token chunk takes the decode kernel: one query at the end of its context is exactly a decode.
+    `gather_geometry` (block_size, num_kv_heads) is given on the torch path: decodes then read the cache
+    through a `DecodeGather` planned here once, not once per layer."""
     num_prefills = sum(1 for q in query_lens if q > 1)
     assert all(q > 1 for q in query_lens[:num_prefills]), "multi-token chunks must precede single tokens"
     max_blocks = max((len(t) for t in block_tables), default=0) or 1
@@ -55,6 +60,12 @@ def build_attention_metadata(
     for q in prefill_q:
         cu.append(cu[-1] + q)
     decode_lens = seq_lens[num_prefills:]
+    decode_block_tables = table(block_tables[num_prefills:])
+    decode_seq_lens = torch.tensor(decode_lens, dtype=torch.int32, device=device)
+    max_decode_seq_len = max(decode_lens, default=0)
+    gather = None
+    if gather_geometry is not None and decode_lens:
+        gather = decode_gather(decode_block_tables, decode_seq_lens, *gather_geometry, max_decode_seq_len)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         num_prefill_tokens=cu[-1],
@@ -62,9 +73,10 @@ def build_attention_metadata(
         prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
         prefill_seq_lens=torch.tensor(seq_lens[:num_prefills], dtype=torch.int32, device=device),
         max_prefill_query_len=max(prefill_q, default=0),
-        decode_block_tables=table(block_tables[num_prefills:]),
-        decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
-        max_decode_seq_len=max(decode_lens, default=0),
+        decode_block_tables=decode_block_tables,
+        decode_seq_lens=decode_seq_lens,
+        max_decode_seq_len=max_decode_seq_len,
+        decode_gather=gather,
     )
 
 
@@ -86,17 +98,23 @@ def paged_attention(
             scale, max_query_len=meta.max_prefill_query_len,
         )
     if p == 0:
-        return backend.decode_attention(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-            max_seq_len=meta.max_decode_seq_len,
-        )
+        return _decode_attention(q, k_cache, v_cache, meta, backend, scale)
     out = torch.empty_like(q)
     out[:p] = backend.prefill_attention(
         q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
         scale, max_query_len=meta.max_prefill_query_len,
     )
-    out[p:] = backend.decode_attention(
-        q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+    out[p:] = _decode_attention(q[p:], k_cache, v_cache, meta, backend, scale)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, backend: KernelBackend,
+    scale: float,
+) -> torch.Tensor:
+    if meta.decode_gather is not None:
+        return paged_decode_attention_gathered(q, k_cache, v_cache, meta.decode_gather, scale)
+    return backend.decode_attention(
+        q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
         max_seq_len=meta.max_decode_seq_len,
     )
-    return out

@@ -145,6 +145,7 @@ class ModelRunner:
             [list(s.block_table) for s in seqs],
             slots,
             self.device,
+            gather_geometry=(self.block_size, self.config.num_kv_heads) if self.backend.name == "torch" else None,
         )
         hidden = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),

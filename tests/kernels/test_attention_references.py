@@ -9,6 +9,8 @@ import torch
 from kernel_testing import DEVICE, assert_close, dense_attention_fp64, make_paged_kv, strided_queries
 
 from pagedserve.kernels import (
+    decode_gather,
+    paged_decode_attention_gathered,
     paged_decode_attention_ref,
     paged_prefill_attention,
     paged_prefill_attention_ref,
@@ -22,10 +24,11 @@ def cu_seqlens(q_lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["contiguous", "interleaved"])
 @pytest.mark.parametrize(("dtype", "group", "block_size"), CASES)
-def test_decode_reference_matches_dense(dtype: torch.dtype, group: int, block_size: int) -> None:
+def test_decode_reference_matches_dense(dtype: torch.dtype, group: int, block_size: int, interleaved: bool) -> None:
     gen = torch.Generator().manual_seed(group * 100 + block_size)
-    kv = make_paged_kv(SEQ_LENS, 2, 64, block_size, dtype, generator=gen)
+    kv = make_paged_kv(SEQ_LENS, 2, 64, block_size, dtype, generator=gen, interleaved=interleaved)
     q = strided_queries(len(SEQ_LENS), 2 * group, 64, dtype, gen)
     scale = 0.3  # logits well beyond N(0, 1): exercises the max subtraction
     out = paged_decode_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
@@ -46,6 +49,26 @@ def test_prefill_reference_matches_dense(dtype: torch.dtype, group: int, block_s
         rows = slice(int(cu[seq]), int(cu[seq + 1]))
         expected = dense_attention_fp64(q[rows].cpu(), kv.keys[seq], kv.values[seq], 0.3)
         assert_close(out[rows], expected, dtype)
+
+
+def test_gather_plan_shared_by_layers_with_a_loose_bound() -> None:
+    """The executor plans one gather per step (with the scheduler's bound on the lengths, here loose) and
+    reuses it for every layer's caches; an empty sequence attends to nothing and gets zeros."""
+    gen = torch.Generator().manual_seed(9)
+    lens = [17, 0, 45, 3]
+    kv = make_paged_kv(lens, 2, 64, 16, torch.float32, generator=gen)
+    q = strided_queries(len(lens), 6, 64, torch.float32, gen)
+    plan = decode_gather(kv.block_tables, kv.seq_lens, 16, 2, max_seq_len=64)
+    # two "layers": the same block tables, K and V swapped in the second
+    for k_cache, v_cache, keys, values in [(kv.k_cache, kv.v_cache, kv.keys, kv.values),
+                                           (kv.v_cache, kv.k_cache, kv.values, kv.keys)]:
+        out = paged_decode_attention_gathered(q, k_cache, v_cache, plan, 0.3)
+        for seq, n in enumerate(lens):
+            if n == 0:
+                assert torch.equal(out[seq], torch.zeros_like(out[seq]))
+                continue
+            expected = dense_attention_fp64(q[seq : seq + 1].cpu(), keys[seq], values[seq], 0.3)
+            assert_close(out[seq : seq + 1], expected, torch.float32)
 
 
 def test_decode_reference_equals_last_prefill_row() -> None:

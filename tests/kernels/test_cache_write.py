@@ -15,12 +15,13 @@ SENTINEL = 7.0
 
 
 @pytest.mark.parametrize("writer", WRITERS.values(), ids=WRITERS.keys())
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize(
     ("dtype", "num_kv_heads", "head_dim", "block_size"),
     [(torch.float16, 2, 64, 16), (torch.bfloat16, 3, 80, 8), (torch.float32, 8, 128, 32)],
 )
 def test_writes_valid_slots_and_skips_padding(
-    writer: Callable[..., None], dtype: torch.dtype, num_kv_heads: int, head_dim: int, block_size: int
+    writer: Callable[..., None], strided: bool, dtype: torch.dtype, num_kv_heads: int, head_dim: int, block_size: int
 ) -> None:
     gen = torch.Generator().manual_seed(num_kv_heads)
     num_blocks = 6
@@ -32,8 +33,13 @@ def test_writes_valid_slots_and_skips_padding(
     # key/value are views into a fused QKV-like tensor, as the executor produces them.
     fused = torch.randn(len(slots), 2 * num_kv_heads + 1, head_dim, generator=gen).to(dtype).to(DEVICE)
     key, value = fused[:, :num_kv_heads], fused[:, num_kv_heads : 2 * num_kv_heads]
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), SENTINEL, dtype=dtype, device=DEVICE)
-    v_cache = torch.full_like(k_cache, SENTINEL)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if strided:  # K and V interleaved per block in one tensor: neither cache is contiguous
+        kv = torch.full((num_blocks, 2, *shape[1:]), SENTINEL, dtype=dtype, device=DEVICE)
+        k_cache, v_cache = kv[:, 0], kv[:, 1]
+    else:
+        k_cache = torch.full(shape, SENTINEL, dtype=dtype, device=DEVICE)
+        v_cache = torch.full_like(k_cache, SENTINEL)
 
     writer(key, value, k_cache, v_cache, slot_mapping)
 
