@@ -274,8 +274,8 @@ class DecodeGather(NamedTuple):
     the block tables) and shared by every layer, whose caches all have the same geometry."""
 
     rows: torch.Tensor  # [num_seqs * num_kv_heads * max_len] int64: rows of cache.flatten(0, 2), (seq, head, pos)
-    visible: torch.Tensor  # [num_seqs, 1, 1, max_len] bool: position < seq_len
-    nonempty: torch.Tensor  # [num_seqs, 1, 1] bool: seq_len > 0
+    mask: torch.Tensor  # [num_seqs, 1, 1, max_len] fp32: 0 where position < seq_len, else -inf (SDPA adds it)
+    empty: torch.Tensor | None  # [num_seqs, 1, 1] bool: seq_len == 0 (None when no sequence is empty)
     num_kv_heads: int
     max_len: int
 
@@ -302,8 +302,11 @@ def decode_gather(
     slots = block_tables.long().gather(1, positions // block_size).clamp(min=0) * block_size + positions % block_size
     heads = torch.arange(num_kv_heads, device=block_tables.device)
     rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]  # [num_seqs, num_kv_heads, max_len]
-    visible = steps[None, :] < lens[:, None]
-    return DecodeGather(rows.flatten(), visible[:, None, None, :], (lens > 0)[:, None, None], num_kv_heads, max_len)
+    # An additive float mask, built once: SDPA would otherwise convert a boolean one in every layer.
+    mask = torch.zeros(num_seqs, 1, 1, max_len, device=block_tables.device)
+    mask.masked_fill_((steps[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+    empty = (lens == 0)[:, None, None] if bool((lens == 0).any()) else None
+    return DecodeGather(rows.flatten(), mask, empty, num_kv_heads, max_len)
 
 
 def paged_decode_attention_gathered(
@@ -325,10 +328,12 @@ def paged_decode_attention_gathered(
     k = k_cache.flatten(0, 2).index_select(0, gather.rows).view(shape).float()
     v = v_cache.flatten(0, 2).index_select(0, gather.rows).view(shape).float()
     out = F.scaled_dot_product_attention(
-        q.float().unsqueeze(2), k, v, attn_mask=gather.visible, scale=scale,
+        q.float().unsqueeze(2), k, v, attn_mask=gather.mask, scale=scale,
         enable_gqa=num_heads != cache.num_kv_heads,
     ).squeeze(2)  # [num_seqs, num_heads, head_dim]
-    return torch.where(gather.nonempty, out, 0.0).to(q.dtype)
+    if gather.empty is not None:  # all keys masked: SDPA gives NaN, attention over nothing is 0
+        out = out.masked_fill(gather.empty, 0.0)
+    return out.to(q.dtype)
 
 
 def paged_decode_attention_ref(

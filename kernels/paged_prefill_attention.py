@@ -223,17 +223,19 @@ def paged_prefill_attention_ref(
             continue
         assert seq_len >= q_len, f"sequence {seq}: seq_len {seq_len} < query length {q_len}"
         block_ids = sequence_blocks(block_tables, seq, seq_len, block_size)
-        # [num_kv_heads, seq_len, head_dim]
-        k = gather_kv(k_cache, block_ids, seq_len).transpose(0, 1).float()
-        v = gather_kv(v_cache, block_ids, seq_len).transpose(0, 1).float()
-        q_seq = q[q_start:q_end].transpose(0, 1).float()  # [num_heads, q_len, head_dim]
-        if q_len == seq_len:  # a whole prompt: the plain causal kernel, as dense implementations run it
+        # With a batch dimension of 1, as dense implementations call SDPA: the CPU kernel's blocking, hence
+        # its rounding, differs between 3-d and 4-d inputs (3e-6 apart), and this way a whole prompt's
+        # attention equals transformers' to the bit.
+        k = gather_kv(k_cache, block_ids, seq_len).transpose(0, 1)[None].float()  # [1, kv_heads, seq_len, dim]
+        v = gather_kv(v_cache, block_ids, seq_len).transpose(0, 1)[None].float()
+        q_seq = q[q_start:q_end].transpose(0, 1)[None].float()  # [1, num_heads, q_len, head_dim]
+        if q_len == seq_len:  # a whole prompt: the plain causal kernel
             o = F.scaled_dot_product_attention(q_seq, k, v, is_causal=True, scale=scale, enable_gqa=group_size > 1)
         else:  # a chunk after cached keys: query i sits at position seq_len - q_len + i
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
             o = F.scaled_dot_product_attention(
                 q_seq, k, v, attn_mask=visible, scale=scale, enable_gqa=group_size > 1
-            )  # [num_heads, q_len, head_dim]
-        out[q_start:q_end] = o.transpose(0, 1)
+            )  # [1, num_heads, q_len, head_dim]
+        out[q_start:q_end] = o[0].transpose(0, 1)
     return out

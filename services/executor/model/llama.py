@@ -28,6 +28,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
+        if x.dtype == torch.float32:  # torch's fused kernel: the same fp32 arithmetic as below, in one pass
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # In fp32 whatever the model dtype, cast back before the weight: transformers' LlamaRMSNorm.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -56,11 +58,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, k, rope)
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [num_tokens, heads, head_dim] each
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.backend, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -60,15 +60,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    x: torch.Tensor,  # [num_tokens, heads, head_dim]: the query and key heads side by side, as the fused QKV has them
     rope: RopeTables,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = rope
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+) -> torch.Tensor:  # [num_tokens, heads, head_dim], contiguous
+    """Rotate every head by its token's position. Q and K heads go through together: half the elementwise ops."""
     # Equals transformers' x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), bit for bit.
+    cos, sin = rope
     x1, x2 = x.chunk(2, dim=-1)  # [num_tokens, heads, head_dim // 2] each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
