@@ -3,7 +3,8 @@
 The engine and scheduler are touched only by the engine thread: the API thread sends it commands
 (add, abort, finish a sample) and receives each request's outputs on an asyncio queue. A step that fails
 (an executor or block-manager error) fails the requests in flight with that error and frees their blocks;
-the loop goes on.
+the loop goes on. The waiting queue is bounded: past `max_waiting_requests` a new request is refused with
+OutOfCapacity (RESOURCE_EXHAUSTED) at once, rather than queued behind work it cannot overtake.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..common.errors import OutOfCapacity
 from .engine import Engine
 from .metrics import ServingMetrics, latency
 from .request import FinishReason, GenerationParams, StepOutput
@@ -32,8 +34,10 @@ class _Subscriber:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: ServingMetrics) -> None:
-        self.engine, self.metrics = engine, metrics
+    def __init__(self, engine: Engine, metrics: ServingMetrics, max_waiting_requests: int) -> None:
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        self.engine, self.metrics, self.max_waiting_requests = engine, metrics, max_waiting_requests
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -97,6 +101,10 @@ class EngineLoop:
     def _add(self, request_id: str, prompt: list[int], params: GenerationParams, salt: bytes,
              subscriber: _Subscriber) -> None:
         try:
+            waiting = self._num_waiting_requests()
+            if waiting >= self.max_waiting_requests:
+                raise OutOfCapacity(f"the server is at capacity: {waiting} waiting request(s), the bound of its queue"
+                                    f" (--max-waiting-requests {self.max_waiting_requests}); retry later")
             self.engine.add_request(request_id, prompt, params, salt)
         except Exception as exc:
             subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, exc)
@@ -144,6 +152,10 @@ class EngineLoop:
             if subscriber is not None:
                 subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, exc)
         self.status = self._status()
+
+    def _num_waiting_requests(self) -> int:
+        """Requests with a sequence waiting for admission: new ones, and preempted ones to be recomputed."""
+        return len({seq.request.request_id for seq in self.engine.scheduler.waiting})
 
     def _status(self) -> dict[str, Any]:
         scheduler = self.engine.scheduler

@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="the model the executor serves (for its tokenizer)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="cap on running sequences")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    parser.add_argument("--max-waiting-requests", type=int, default=256,
+                        help="queue bound: past it new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="time-to-first-token objective")
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0, help="time-per-output-token objective")
@@ -81,7 +83,8 @@ def connect(args: argparse.Namespace) -> Backend:
     limits = EngineLimits(info.vocab_size, info.max_model_len, info.num_blocks, info.block_size, eos)
     identity = ModelIdentity(info.model_digest, tokenizer.name_or_path or info.model, tokenizer.chat_template or "",
                              info.dtype)
-    loop = EngineLoop(Engine(scheduler, executor, limits, identity), ServingMetrics(args.ttft_slo_ms, args.tpot_slo_ms))
+    metrics = ServingMetrics(args.ttft_slo_ms, args.tpot_slo_ms)
+    loop = EngineLoop(Engine(scheduler, executor, limits, identity), metrics, args.max_waiting_requests)
     loop.start()
     return Backend(loop, tokenizer, info)
 

@@ -25,7 +25,8 @@ from ..common.processes import ServiceProcess, start_service, stop_service
 from ..executor.client import RemoteExecutor
 from ..executor.engine_config import add_executor_arguments
 
-FRONTEND_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "preemption_mode", "ttft_slo_ms", "tpot_slo_ms")
+FRONTEND_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "preemption_mode", "ttft_slo_ms",
+                  "tpot_slo_ms")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_executor_arguments(parser)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="cap on running sequences")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    parser.add_argument("--max-waiting-requests", type=int, default=256,
+                        help="queue bound: past it new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0)

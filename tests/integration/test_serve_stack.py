@@ -229,6 +229,30 @@ def test_preemption_under_a_tiny_budget_keeps_greedy_output(tiny_chat_model_dir:
         assert small.stop() is not None and small.proc.returncode == 0
 
 
+def test_a_full_waiting_queue_refuses_new_requests_at_once(tiny_chat_model_dir: Path) -> None:
+    """One sequence may run and one request may wait: a third request is refused with RESOURCE_EXHAUSTED, and
+    the server takes requests again once the queue drains."""
+    busy = Pod(tiny_chat_model_dir, "--num-blocks", "64", "--max-num-seqs", "1", "--max-waiting-requests", "1")
+    try:
+        long = pb.GenerateRequest(text=PROMPTS[0], params=pb.GenerationParameters(max_tokens=400, ignore_eos=True))
+        running, waiting = busy.stub.Generate(long), busy.stub.Generate(long)
+        next(running)
+        deadline = time.monotonic() + 30
+        while busy.status().num_waiting != 1:
+            assert time.monotonic() < deadline, f"the second request never queued: {busy.status()}"
+            time.sleep(0.02)
+        with pytest.raises(grpc.RpcError) as info:
+            busy.generate(PROMPTS[1], max_tokens=2)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "1 waiting request(s)" in info.value.details() and "--max-waiting-requests 1" in info.value.details()
+        running.cancel()
+        waiting.cancel()
+        busy.wait_idle()
+        assert busy.generate(PROMPTS[1], max_tokens=2, ignore_eos=True)[0][-1].usage.completion_tokens == 2
+    finally:
+        assert busy.stop() is not None and busy.proc.returncode == 0
+
+
 def test_logprobs_and_chat_client(pod: Pod) -> None:
     chunks, _ = pod.generate(PROMPTS[0], max_tokens=4, logprobs=2, ignore_eos=True)
     for chunk in chunks[:-1]:
