@@ -232,11 +232,12 @@ def test_preemption_under_a_tiny_budget_keeps_greedy_output(tiny_chat_model_dir:
 def test_a_full_waiting_queue_refuses_new_requests_at_once(tiny_chat_model_dir: Path) -> None:
     """One sequence may run and one request may wait: a third request is refused with RESOURCE_EXHAUSTED, and
     the server takes requests again once the queue drains."""
-    busy = Pod(tiny_chat_model_dir, "--num-blocks", "64", "--max-num-seqs", "1", "--max-waiting-requests", "1")
+    busy = Pod(tiny_chat_model_dir, "--num-blocks", "256", "--max-num-seqs", "1", "--max-waiting-requests", "1")
     try:
         long = pb.GenerateRequest(text=PROMPTS[0], params=pb.GenerationParameters(max_tokens=400, ignore_eos=True))
-        running, waiting = busy.stub.Generate(long), busy.stub.Generate(long)
-        next(running)
+        running = busy.stub.Generate(long)
+        next(running)  # admitted before the second request exists: the two cannot swap places
+        waiting = busy.stub.Generate(long)
         deadline = time.monotonic() + 30
         while busy.status().num_waiting != 1:
             assert time.monotonic() < deadline, f"the second request never queued: {busy.status()}"
