@@ -10,6 +10,8 @@ import pytest
 import test_block_manager_stateful as stateful
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from step_drawing import VOCAB, sealed_message
+from step_following import run_step
 
 from pagedserve.services.block_manager.manager import BlockCopy, BlockManager
 from pagedserve.services.block_manager.step import (
@@ -27,7 +29,6 @@ from pagedserve.services.block_manager.step import (
     SwapOutOp,
 )
 
-VOCAB = stateful.VOCAB
 namespaces = stateful.namespaces
 
 
@@ -112,14 +113,14 @@ def assert_rejected(machine: stateful.BlockManagerMachine, ops: list[Op], messag
     """The step raises InvalidStep with this message, and changes nothing."""
     before = machine.snapshot()
     with pytest.raises(InvalidStep, match=re.escape(message)):
-        machine.run_step(ops)
+        run_step(machine.manager, machine.model, machine.kv, ops)
     assert machine.snapshot() == before
     machine.check()
 
 
 def assert_sealed(machine: stateful.BlockManagerMachine, ops: list[Op], where: str, seq_id: int, why: str) -> None:
     """Rejected because the op at `where` names a sequence sealed earlier in the step."""
-    assert_rejected(machine, ops, f"{where}: {stateful.sealed_message(seq_id, why)}")
+    assert_rejected(machine, ops, f"{where}: {sealed_message(seq_id, why)}")
 
 
 def test_step_fork_after_reserve_is_rejected() -> None:
