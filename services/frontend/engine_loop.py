@@ -38,6 +38,7 @@ class EngineLoop:
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         self.engine, self.metrics, self.max_waiting_requests = engine, metrics, max_waiting_requests
+        self.num_refused = 0  # requests refused because the queue was full
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -103,6 +104,7 @@ class EngineLoop:
         try:
             waiting = self._num_waiting_requests()
             if waiting >= self.max_waiting_requests:
+                self.num_refused += 1
                 raise OutOfCapacity(f"the server is at capacity: {waiting} waiting request(s), the bound of its queue"
                                     f" (--max-waiting-requests {self.max_waiting_requests}); retry later")
             self.engine.add_request(request_id, prompt, params, salt)
@@ -166,4 +168,5 @@ class EngineLoop:
             "stats": scheduler.stats,
             "num_preemptions_recompute": scheduler.num_preemptions["recompute"],
             "num_preemptions_swap": scheduler.num_preemptions["swap"],
+            "num_refused": self.num_refused,
         }

@@ -22,6 +22,7 @@ from ..executor.model.tokenizer import load_tokenizer
 from .api import Backend, InferenceServicer
 from .engine import Engine, EngineLimits, ModelIdentity
 from .engine_loop import EngineLoop
+from .exporter import start_exporter
 from .metrics import ServingMetrics
 from .scheduler import Scheduler, SchedulerConfig
 
@@ -58,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="queue bound: past it new requests get RESOURCE_EXHAUSTED")
+    parser.add_argument("--metrics-listen", default="", help="HOST:PORT to serve Prometheus /metrics on (off if empty)")
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="time-to-first-token objective")
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0, help="time-per-output-token objective")
@@ -97,9 +99,15 @@ async def serve(args: argparse.Namespace) -> None:
     async def warm_up() -> None:
         servicer.attach(await asyncio.to_thread(connect, args))
 
+    exporter = None
+    if args.metrics_listen:
+        exporter, _ = start_exporter(args.metrics_listen, lambda: servicer.backend.loop if servicer.ready else None)
+        log.info("metrics on http://%s/metrics", args.metrics_listen)
     try:
         await serve_until_signalled(service, warm_up=warm_up)
     finally:
+        if exporter is not None:
+            exporter.shutdown()
         if servicer.ready:
             servicer.backend.loop.stop()
 

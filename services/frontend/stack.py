@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="queue bound: past it new requests get RESOURCE_EXHAUSTED")
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0)
@@ -75,6 +76,8 @@ class Stack:
                          "--executor", self.services["executor"].address, "--model", args.model]
         for flag in FRONTEND_FLAGS:
             frontend_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        if args.metrics_port:
+            frontend_args += ["--metrics-listen", f"{args.host}:{args.metrics_port}"]
         self._start("frontend", frontend_args, f"{args.host}:{args.port}")
         return (f"pagedserve: serving {info.model} on {args.host}:{args.port} ({info.device}, {info.dtype}; "
                 f"{info.num_blocks} KV blocks of {info.block_size} tokens, {info.num_cpu_blocks} CPU swap blocks)")

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,7 +73,8 @@ class Pod:
 
 @pytest.fixture(scope="module")
 def pod(tiny_chat_model_dir: Path) -> Iterator[Pod]:
-    pod = Pod(tiny_chat_model_dir, "--num-blocks", "256", "--max-num-batched-tokens", "64")
+    pod = Pod(tiny_chat_model_dir, "--num-blocks", "256", "--max-num-batched-tokens", "64",
+              "--metrics-port", str(free_port()))
     yield pod
     output = pod.stop()
     assert pod.proc.returncode == 0, output
@@ -229,10 +231,45 @@ def test_preemption_under_a_tiny_budget_keeps_greedy_output(tiny_chat_model_dir:
         assert small.stop() is not None and small.proc.returncode == 0
 
 
+def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The pod's /metrics, parsed by Prometheus' own text parser: (sample name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_endpoint_exports_load_and_goodput(pod: Pod) -> None:
+    address = f"127.0.0.1:{pod.proc.args[pod.proc.args.index('--metrics-port') + 1]}"  # type: ignore[index,union-attr]
+    before = scrape(address)
+    assert before[("pagedserve_ready", ())] == 1
+    pod.generate(PROMPTS[1], max_tokens=6, ignore_eos=True)
+    status = pod.wait_idle()
+    after = scrape(address)
+    assert after[("pagedserve_requests_finished_total", ())] == before[("pagedserve_requests_finished_total", ())] + 1
+    assert after[("pagedserve_requests_finished_total", ())] == status.num_requests_finished
+    blocks = {state: after[("pagedserve_kv_blocks", (("state", state),))] for state in ("used", "cached", "free")}
+    assert blocks == {"used": status.num_used_blocks, "cached": status.num_cached_blocks,
+                      "free": status.num_free_blocks - status.num_cached_blocks}
+    assert sum(blocks.values()) == after[("pagedserve_kv_blocks_capacity", ())] == 256
+    assert blocks["cached"] > 0  # the prompt's full blocks stay cached after the request
+    assert after[("pagedserve_kv_block_pressure", ())] == 0 and after[("pagedserve_running_seqs", ())] == 0
+    assert after[("pagedserve_generation_tokens_per_second", ())] > 0
+    assert after[("pagedserve_time_to_first_token_seconds", (("quantile", "0.5"),))] > 0
+    assert after[("pagedserve_time_to_first_token_slo_seconds", ())] == 2.0
+    for mode in ("recompute", "swap"):
+        assert ("pagedserve_preemptions_total", (("mode", mode),)) in after
+    assert after[("pagedserve_requests_refused_total", ())] == 0
+
+
 def test_a_full_waiting_queue_refuses_new_requests_at_once(tiny_chat_model_dir: Path) -> None:
     """One sequence may run and one request may wait: a third request is refused with RESOURCE_EXHAUSTED, and
     the server takes requests again once the queue drains."""
-    busy = Pod(tiny_chat_model_dir, "--num-blocks", "256", "--max-num-seqs", "1", "--max-waiting-requests", "1")
+    metrics = f"127.0.0.1:{free_port()}"
+    busy = Pod(tiny_chat_model_dir, "--num-blocks", "256", "--max-num-seqs", "1", "--max-waiting-requests", "1",
+               "--metrics-port", metrics.rsplit(":", 1)[1])
     try:
         long = pb.GenerateRequest(text=PROMPTS[0], params=pb.GenerationParameters(max_tokens=400, ignore_eos=True))
         running = busy.stub.Generate(long)
@@ -246,6 +283,7 @@ def test_a_full_waiting_queue_refuses_new_requests_at_once(tiny_chat_model_dir: 
             busy.generate(PROMPTS[1], max_tokens=2)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "1 waiting request(s)" in info.value.details() and "--max-waiting-requests 1" in info.value.details()
+        assert scrape(metrics)[("pagedserve_requests_refused_total", ())] == 1
         running.cancel()
         waiting.cancel()
         busy.wait_idle()

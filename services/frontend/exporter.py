@@ -1,0 +1,77 @@
+"""Prometheus exposition of a pod's load: `GET /metrics` on `--metrics-listen` (the operator's and HPA's input).
+
+Nothing is counted twice: each scrape reads the engine loop's latest status (queues, block stats from the
+block manager, preemptions, refusals) and the serving metrics' sliding window (goodput, latency percentiles),
+the same numbers the `Status` RPC answers with. Before the model is loaded only `pagedserve_ready 0` is served.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .engine_loop import EngineLoop
+
+
+class ServingCollector(Collector):
+    def __init__(self, engine_loop: Callable[[], EngineLoop | None]) -> None:
+        self.engine_loop = engine_loop  # None until the model is loaded
+
+    def collect(self) -> Iterator[Metric]:
+        loop = self.engine_loop()
+        yield GaugeMetricFamily("pagedserve_ready", "1 once the model is loaded and the engine runs", loop is not None)
+        if loop is None:
+            return
+        status, window = loop.status, loop.metrics.snapshot()
+        stats = status["stats"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"pagedserve_{name}", doc, value=value)
+
+        yield gauge("running_seqs", "sequences in the running batch", status["num_running"])
+        yield gauge("waiting_seqs", "sequences waiting for admission (new or preempted)", status["num_waiting"])
+        yield gauge("swapped_seqs", "sequences swapped out to the CPU pool", status["num_swapped"])
+        blocks = GaugeMetricFamily("pagedserve_kv_blocks", "device KV blocks by state", labels=["state"])
+        blocks.add_metric(["used"], stats.num_used_blocks)
+        blocks.add_metric(["cached"], stats.num_cached_blocks)
+        blocks.add_metric(["free"], stats.num_free_blocks - stats.num_cached_blocks)  # free counts cached ones
+        yield blocks
+        yield gauge("kv_blocks_capacity", "device KV blocks in the cache", stats.num_total_blocks)
+        yield gauge("kv_block_pressure", "used blocks / capacity: the scaling signal", stats.block_pressure)
+        yield gauge("kv_utilization", "filled token slots / slots of used blocks", stats.kv_utilization)
+        yield gauge("prefix_cache_hit_rate", "prompt tokens served from the prefix cache / looked up",
+                    stats.prefix_hit_rate)
+        preemptions = CounterMetricFamily("pagedserve_preemptions", "sequences preempted", labels=["mode"])
+        for mode in ("recompute", "swap"):
+            preemptions.add_metric([mode], status[f"num_preemptions_{mode}"])
+        yield preemptions
+        yield CounterMetricFamily("pagedserve_requests_finished", "requests finished",
+                                  value=window["num_requests_finished"])
+        yield CounterMetricFamily("pagedserve_requests_refused", "requests refused because the waiting queue was full",
+                                  value=status["num_refused"])
+        seconds = window["window_s"]
+        yield gauge("goodput_requests_per_second", f"finished requests meeting both SLOs, over {seconds:g} s",
+                    window["goodput_rps"])
+        yield gauge("generation_tokens_per_second", f"tokens generated, over {seconds:g} s",
+                    window["generation_tokens_per_s"])
+        for name, key in (("time_to_first_token", "ttft"), ("time_per_output_token", "tpot")):
+            quantiles = GaugeMetricFamily(f"pagedserve_{name}_seconds", f"{name.replace('_', ' ')} of requests"
+                                          f" finished in the last {seconds:g} s", labels=["quantile"])
+            quantiles.add_metric(["0.5"], window[f"{key}_ms_p50"] / 1000)
+            quantiles.add_metric(["0.99"], window[f"{key}_ms_p99"] / 1000)
+            yield quantiles
+            yield gauge(f"{name}_slo_seconds", f"the {key.upper()} objective goodput counts against",
+                        window[f"{key}_slo_ms"] / 1000)
+
+
+def start_exporter(listen: str, engine_loop: Callable[[], EngineLoop | None]) -> tuple[WSGIServer, threading.Thread]:
+    """Serves /metrics on HOST:PORT from a daemon thread; `server.shutdown()` stops it."""
+    host, _, port = listen.rpartition(":")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServingCollector(engine_loop))
+    return start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=registry)
