@@ -233,6 +233,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             prefix_hit_rate=stats.prefix_hit_rate,
             num_preemptions_recompute=status["num_preemptions_recompute"],
             num_preemptions_swap=status["num_preemptions_swap"],
+            num_requests_refused=status["num_refused"],
             **self.loop.metrics.snapshot(),  # type: ignore[arg-type]
         )
 

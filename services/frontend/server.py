@@ -50,14 +50,21 @@ def check_agreement(info: ExecutorInfo, stats: BlockStats) -> None:
                            + ". Start the block manager with the executor's numbers (see `pagedserve serve`).")
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:50051", help="unix:PATH or HOST:PORT")
     parser.add_argument("--block-manager", required=True, help="address of the block manager")
     parser.add_argument("--executor", required=True, help="address of the executor")
     parser.add_argument("--model", default="smollm2-135m", help="the model the executor serves (for its tokenizer)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="cap on running sequences")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    parser.add_argument("--max-waiting-requests", type=int, default=256,
+    parser.add_argument("--max-num-seqs", type=positive_int, default=64, help="cap on running sequences")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512, help="token budget per step")
+    parser.add_argument("--max-waiting-requests", type=positive_int, default=256,
                         help="queue bound: past it new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--metrics-listen", default="", help="HOST:PORT to serve Prometheus /metrics on (off if empty)")
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")

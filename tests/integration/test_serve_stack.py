@@ -231,6 +231,13 @@ def test_preemption_under_a_tiny_budget_keeps_greedy_output(tiny_chat_model_dir:
         assert small.stop() is not None and small.proc.returncode == 0
 
 
+def test_a_frontend_refuses_a_limit_below_one() -> None:
+    run = subprocess.run([sys.executable, "-m", "pagedserve", "frontend", "--block-manager", "unix:/nonexistent",
+                          "--executor", "unix:/nonexistent", "--max-waiting-requests", "0"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert run.returncode == 2 and "--max-waiting-requests: must be >= 1, got 0" in run.stderr, run.stderr
+
+
 def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The pod's /metrics, parsed by Prometheus' own text parser: (sample name, labels) -> value."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -283,7 +290,7 @@ def test_a_full_waiting_queue_refuses_new_requests_at_once(tiny_chat_model_dir: 
             busy.generate(PROMPTS[1], max_tokens=2)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "1 waiting request(s)" in info.value.details() and "--max-waiting-requests 1" in info.value.details()
-        assert scrape(metrics)[("pagedserve_requests_refused_total", ())] == 1
+        assert scrape(metrics)[("pagedserve_requests_refused_total", ())] == busy.status().num_requests_refused == 1
         running.cancel()
         waiting.cancel()
         busy.wait_idle()
