@@ -9,6 +9,7 @@ import grpc
 from ...protos import block_manager_pb2 as pb
 from ...protos import block_manager_pb2_grpc as pb_grpc
 from ..common.grpc_server import CHANNEL_OPTIONS
+from ..common.tracing import traced_channel
 from .manager import BlockCopy, BlockTableDelta
 from .stats import BlockStats
 from .step import (
@@ -79,7 +80,7 @@ class RemoteBlockManager:
     """Synchronous: the engine thread makes one Step call per scheduler step."""
 
     def __init__(self, address: str, timeout: float = 30.0) -> None:
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = traced_channel(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
         self.stub = pb_grpc.BlockManagerStub(self.channel)
         self.timeout = timeout
 

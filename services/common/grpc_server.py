@@ -8,7 +8,9 @@ INTERNAL with a generic message, so internals never leak to clients and the serv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from typing import Any
@@ -17,8 +19,10 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
 
 from .errors import InvalidRequest, NotReady, OutOfCapacity
+from .tracing import extract_context, init_tracing, shutdown_tracing, tracer, tracing_enabled
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +80,13 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         inner_unary = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                return await inner_unary(request, context)
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                await _abort(context, exc, method)
+            with _server_span(method, context):
+                try:
+                    return await inner_unary(request, context)
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:
+                    await _abort(context, exc, method)
 
         return grpc.unary_unary_rpc_method_handler(
             unary_unary, handler.request_deserializer, handler.response_serializer
@@ -90,18 +95,29 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         inner_stream = handler.unary_stream
 
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            try:
-                async for response in inner_stream(request, context):
-                    yield response
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                await _abort(context, exc, method)
+            with _server_span(method, context):
+                try:
+                    async for response in inner_stream(request, context):
+                        yield response
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:
+                    await _abort(context, exc, method)
 
         return grpc.unary_stream_rpc_method_handler(
             unary_stream, handler.request_deserializer, handler.response_serializer
         )
     return handler
+
+
+def _server_span(method: str, context: grpc.aio.ServicerContext) -> Any:
+    """A SERVER span for one call, continuing the caller's trace (tracing.py); none when tracing is off."""
+    if not tracing_enabled():
+        return contextlib.nullcontext()
+    return tracer().start_as_current_span(
+        method.lstrip("/"), context=extract_context(context.invocation_metadata()), kind=trace.SpanKind.SERVER,
+        record_exception=False,
+    )
 
 
 class GrpcService:
@@ -154,11 +170,14 @@ async def serve_until_signalled(service: GrpcService, warm_up: Callable[[], Awai
     await stop.wait()
     log.info("stopping")
     await service.stop()
+    shutdown_tracing()
 
 
-def run(main: Coroutine[Any, Any, None]) -> None:
-    """Runs a service's main coroutine on uvloop."""
+def run(main: Coroutine[Any, Any, None], service: str) -> None:
+    """Runs a service's main coroutine on uvloop, with tracing when OTLP is configured (tracing.py)."""
     import uvloop
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if init_tracing(service):
+        log.info("exporting traces to %s", os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"])
     uvloop.run(main)

@@ -7,6 +7,7 @@ import grpc
 from ...protos import executor_pb2 as pb
 from ...protos import executor_pb2_grpc as pb_grpc
 from ..common.grpc_server import CHANNEL_OPTIONS
+from ..common.tracing import traced_channel
 from .engine_config import ExecutorInfo
 from .runner import StepInput
 from .sampling import SampledToken
@@ -31,7 +32,7 @@ def step_to_proto(step: StepInput) -> pb.ExecuteRequest:
 
 class RemoteExecutor:
     def __init__(self, address: str, timeout: float = 600.0) -> None:
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = traced_channel(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self.timeout = timeout
 

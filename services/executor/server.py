@@ -90,4 +90,4 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    run(serve(args))
+    run(serve(args), "executor")

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc.aio
+from opentelemetry import trace
 from transformers import PreTrainedTokenizerFast
 
 from ...protos import inference_pb2 as pb
@@ -119,6 +120,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         samples = [self._sample(prompt, stop) for _ in range(params.n)]
         want_logprobs = request.params.HasField("logprobs")
         request_id = uuid.uuid4().hex
+        span = trace.get_current_span()  # the call's server span (a no-op one when tracing is off)
+        span.set_attributes({"pagedserve.request_id": request_id, "gen_ai.usage.input_tokens": len(prompt),
+                             "gen_ai.request.max_tokens": params.max_tokens})
         events = self.loop.submit(request_id, prompt, params, self._tenant_salt(context))
         engine_request: Request | None = None
         over = False
@@ -133,7 +137,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     if chunk is not None:
                         yield chunk
             over = True
-            yield pb.GenerateResponse(request_id=request_id, usage=self._usage(engine_request, prompt, samples))
+            usage = self._usage(engine_request, prompt, samples)
+            span.set_attributes({"gen_ai.usage.output_tokens": usage.completion_tokens,
+                                 "pagedserve.ttft_ms": usage.ttft_ms})
+            yield pb.GenerateResponse(request_id=request_id, usage=usage)
         finally:
             if not over:  # the client went away, the deadline passed, or the engine failed
                 self.loop.abort(request_id)

@@ -17,7 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry import trace
+
 from ..common.errors import OutOfCapacity
+from ..common.tracing import tracer, tracing_enabled
 from .engine import Engine
 from .metrics import ServingMetrics, latency
 from .request import FinishReason, GenerationParams, StepOutput
@@ -31,6 +34,7 @@ Event = StepOutput | BaseException | None  # None: the request is over
 class _Subscriber:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Event]
+    span: trace.SpanContext  # the request's Generate span: each step it is part of links to it
 
 
 class EngineLoop:
@@ -62,7 +66,7 @@ class EngineLoop:
         """Validates now (raising InvalidRequest or OutOfCapacity), then queues the request."""
         self.engine.check(prompt, params)
         events: asyncio.Queue[Event] = asyncio.Queue()
-        subscriber = _Subscriber(asyncio.get_running_loop(), events)
+        subscriber = _Subscriber(asyncio.get_running_loop(), events, trace.get_current_span().get_span_context())
         self._call(lambda: self._add(request_id, prompt, params, tenant_salt, subscriber))
         return events
 
@@ -90,7 +94,7 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self._step()
             except Exception as exc:
                 log.exception("engine step failed: failing the requests in flight")
                 self._fail_all(exc)
@@ -98,6 +102,16 @@ class EngineLoop:
             for output in outputs:
                 self._deliver(output)
             self.status = self._status()
+
+    def _step(self) -> list[StepOutput]:
+        if not tracing_enabled():
+            return self.engine.step()
+        # One trace per step (its Execute and Step calls are its children), linked to the requests in flight.
+        links = [trace.Link(s.span) for s in self._subscribers.values() if s.span.is_valid]
+        with tracer().start_as_current_span("engine.step", links=links) as span:
+            outputs = self.engine.step()
+            span.set_attribute("pagedserve.num_running", len(self.engine.scheduler.running))
+            return outputs
 
     def _add(self, request_id: str, prompt: list[int], params: GenerationParams, salt: bytes,
              subscriber: _Subscriber) -> None:

@@ -121,7 +121,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> None:
     try:
-        run(serve(args))
+        run(serve(args), "frontend")
     except StartupError as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None

@@ -5,8 +5,6 @@ real tokenizer and chat template, so text goes through every layer."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,58 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from stack_testing import PROMPTS, Pod, free_port
 
 from pagedserve.protos import inference_pb2 as pb
-from pagedserve.protos import inference_pb2_grpc as pb_grpc
-from pagedserve.services.common.processes import wait_serving
-
-PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "def fibonacci(n):",
-           "List three colors:", "The quick brown fox jumps over the lazy dog. " * 3]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Pod:
-    def __init__(self, model: Path, *extra: str) -> None:
-        self.address = f"127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "pagedserve", "serve", "--model", str(model), "--port",
-               self.address.rsplit(":", 1)[1], "--device", "cpu", "--block-size", "4", "--status-interval", "0.2",
-               *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"})
-        wait_serving(self.address, 300, self.proc)  # type: ignore[arg-type]
-        self.channel = grpc.insecure_channel(self.address)
-        self.stub = pb_grpc.InferenceStub(self.channel)
-
-    def generate(self, prompt: str, **params: object) -> tuple[list[pb.GenerateResponse], dict[int, str]]:
-        request = pb.GenerateRequest(text=prompt, params=pb.GenerationParameters(**params))  # type: ignore[arg-type]
-        chunks = list(self.stub.Generate(request, timeout=120))
-        texts: dict[int, str] = {}
-        for chunk in chunks[:-1]:
-            texts[chunk.index] = texts.get(chunk.index, "") + chunk.text
-        return chunks, texts
-
-    def status(self) -> pb.StatusResponse:
-        return self.stub.Status(pb.StatusRequest(), timeout=10)
-
-    def wait_idle(self) -> pb.StatusResponse:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            status = self.status()
-            if status.num_running == status.num_waiting == status.num_used_blocks == 0:
-                return status
-            time.sleep(0.05)
-        raise AssertionError(f"the pod is not idle: {self.status()}")
-
-    def stop(self) -> str:
-        self.channel.close()
-        self.proc.send_signal(signal.SIGTERM)
-        out, _ = self.proc.communicate(timeout=60)
-        return out
 
 
 @pytest.fixture(scope="module")
