@@ -131,6 +131,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             while (event := await events.get()) is not None:
                 if isinstance(event, BaseException):
                     raise event
+                if engine_request is None:
+                    span.add_event("first_token")
                 engine_request = event.request
                 for output in event.outputs:
                     chunk = self._chunk(request_id, samples, output, want_logprobs)
@@ -138,8 +140,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         yield chunk
             over = True
             usage = self._usage(engine_request, prompt, samples)
-            span.set_attributes({"gen_ai.usage.output_tokens": usage.completion_tokens,
-                                 "pagedserve.ttft_ms": usage.ttft_ms})
+            span.set_attributes({
+                "gen_ai.usage.output_tokens": usage.completion_tokens, "pagedserve.ttft_ms": usage.ttft_ms,
+                "pagedserve.cached_prompt_tokens": usage.cached_prompt_tokens,
+                "pagedserve.num_preemptions": usage.num_preemptions,
+            })
             yield pb.GenerateResponse(request_id=request_id, usage=usage)
         finally:
             if not over:  # the client went away, the deadline passed, or the engine failed

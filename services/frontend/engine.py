@@ -51,6 +51,12 @@ class Engine:
     ) -> Request:
         """Validates and queues a request; raises InvalidRequest or OutOfCapacity naming the limit."""
         self.check(prompt_token_ids, params)
+        return self.enqueue(request_id, prompt_token_ids, params, tenant_salt)
+
+    def enqueue(
+        self, request_id: str, prompt_token_ids: list[int], params: GenerationParams, tenant_salt: bytes = b""
+    ) -> Request:
+        """Queues a request that already passed `check` (the server checks in its API thread)."""
         if request_id in self.scheduler.requests:
             raise InvalidRequest(f"request_id: {request_id!r} is already running")
         seed = params.seed if params.seed is not None else secrets.randbits(62)

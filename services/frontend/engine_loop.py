@@ -121,7 +121,7 @@ class EngineLoop:
                 self.num_refused += 1
                 raise OutOfCapacity(f"the server is at capacity: {waiting} waiting request(s), the bound of its queue"
                                     f" (--max-waiting-requests {self.max_waiting_requests}); retry later")
-            self.engine.add_request(request_id, prompt, params, salt)
+            self.engine.enqueue(request_id, prompt, params, salt)  # checked in `submit`
         except Exception as exc:
             subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, exc)
             return

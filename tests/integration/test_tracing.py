@@ -81,6 +81,8 @@ def test_a_request_is_traced_across_the_three_processes(
         assert attributes["pagedserve.request_id"].string_value == chunks[-1].request_id
         assert attributes["gen_ai.usage.input_tokens"].int_value == usage.prompt_tokens
         assert attributes["gen_ai.usage.output_tokens"].int_value == usage.completion_tokens == 4
+        assert attributes["pagedserve.num_preemptions"].int_value == 0
+        assert [e.name for e in generate.events] == ["first_token"]
 
         # every step that ran the request links to its Generate span: the prefill and three decodes at least
         steps = wait_for(lambda: [s for s in spans.find("pagedserve-frontend", "engine.step")
