@@ -24,8 +24,10 @@ _provider: Any = None  # the SDK TracerProvider once configured, for the final f
 def init_tracing(service: str) -> bool:
     """Exports this process's spans over OTLP if `OTEL_EXPORTER_OTLP_ENDPOINT` is set; returns whether it does."""
     global _provider
-    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or _provider is not None:
-        return _provider is not None
+    if _provider is not None:
+        return True
+    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return False
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider

@@ -39,8 +39,6 @@ class _Subscriber:
 
 class EngineLoop:
     def __init__(self, engine: Engine, metrics: ServingMetrics, max_waiting_requests: int) -> None:
-        if max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         self.engine, self.metrics, self.max_waiting_requests = engine, metrics, max_waiting_requests
         self.num_refused = 0  # requests refused because the queue was full
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()

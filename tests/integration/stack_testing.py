@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -18,6 +19,15 @@ from pagedserve.services.common.processes import wait_serving
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "def fibonacci(n):",
            "List three colors:", "The quick brown fox jumps over the lazy dog. " * 3]
+
+
+def wait_for(condition: Any, what: str, timeout: float = 30.0) -> Any:
+    """Polls `condition()` until it is truthy and returns its value; fails naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)
+    return value
 
 
 def free_port() -> int:

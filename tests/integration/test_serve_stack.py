@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from stack_testing import PROMPTS, Pod, free_port
+from stack_testing import PROMPTS, Pod, free_port, wait_for
 
 from pagedserve.protos import inference_pb2 as pb
 
@@ -231,10 +230,7 @@ def test_a_full_waiting_queue_refuses_new_requests_at_once(tiny_chat_model_dir: 
         running = busy.stub.Generate(long)
         next(running)  # admitted before the second request exists: the two cannot swap places
         waiting = busy.stub.Generate(long)
-        deadline = time.monotonic() + 30
-        while busy.status().num_waiting != 1:
-            assert time.monotonic() < deadline, f"the second request never queued: {busy.status()}"
-            time.sleep(0.02)
+        wait_for(lambda: busy.status().num_waiting == 1, "the second request waiting")
         with pytest.raises(grpc.RpcError) as info:
             busy.generate(PROMPTS[1], max_tokens=2)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

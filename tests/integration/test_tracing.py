@@ -7,7 +7,6 @@ own exporters, batching and wire format are what is tested.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from stack_testing import PROMPTS, Pod
+from stack_testing import PROMPTS, Pod, wait_for
 
 from pagedserve.protos import inference_pb2 as pb
 
@@ -51,14 +50,6 @@ def receiver() -> Iterator[tuple[Receiver, str]]:
     server.start()
     yield servicer, f"http://127.0.0.1:{port}"
     server.stop(None)
-
-
-def wait_for(condition: Any, what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"never received: {what}"
-        time.sleep(0.1)
-    return value
 
 
 def test_a_request_is_traced_across_the_three_processes(
