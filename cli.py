@@ -18,8 +18,11 @@ COMMANDS = {
     "generate": ("pagedserve.services.frontend.client_cli:generate", "stream a completion from a server"),
     "chat": ("pagedserve.services.frontend.client_cli:chat", "chat with a server interactively"),
     "status": ("pagedserve.services.frontend.client_cli:status", "a server's scheduler and KV-cache state"),
+    "health": ("pagedserve.services.common.health_cli", "check a service's gRPC health (exit 0 when SERVING)"),
+    "operator": ("pagedserve.operator.main", "run the Kubernetes operator (PagedModel, AutoscalingPolicy)"),
 }
 BENCHMARKS = {
+    "autoscale": ("pagedserve.benchmarks.autoscale", "a simulated day: the operator's scaling policy vs static and HPA"),
     "blocks": ("pagedserve.benchmarks.blocks", "block-manager utilization and step latency"),
     "executor": ("pagedserve.benchmarks.executor", "generation throughput vs HF transformers generate()"),
     "kernels": ("pagedserve.benchmarks.kernels", "paged decode attention bandwidth and speed vs SDPA"),

@@ -569,6 +569,7 @@ class StatusResponse(_message.Message):
     TPOT_MS_P99_FIELD_NUMBER: _builtins.int
     WINDOW_S_FIELD_NUMBER: _builtins.int
     NUM_REQUESTS_REFUSED_FIELD_NUMBER: _builtins.int
+    FINISHED_RPS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     num_swapped: _builtins.int
@@ -597,6 +598,8 @@ class StatusResponse(_message.Message):
     window_s: _builtins.float
     num_requests_refused: _builtins.int
     """refused because the waiting queue was full (--max-waiting-requests)"""
+    finished_rps: _builtins.float
+    """finished requests/s over the last window (attainment = goodput / this)"""
     def __init__(
         self,
         *,
@@ -623,10 +626,11 @@ class StatusResponse(_message.Message):
         tpot_ms_p99: _builtins.float = ...,
         window_s: _builtins.float = ...,
         num_requests_refused: _builtins.int = ...,
+        finished_rps: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_pressure", b"block_pressure", "generation_tokens_per_s", b"generation_tokens_per_s", "goodput_rps", b"goodput_rps", "kv_utilization", b"kv_utilization", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_preemptions_recompute", b"num_preemptions_recompute", "num_preemptions_swap", b"num_preemptions_swap", "num_requests_finished", b"num_requests_finished", "num_requests_refused", b"num_requests_refused", "num_running", b"num_running", "num_swapped", b"num_swapped", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting", b"num_waiting", "prefix_hit_rate", b"prefix_hit_rate", "tpot_ms_p50", b"tpot_ms_p50", "tpot_ms_p99", b"tpot_ms_p99", "tpot_slo_ms", b"tpot_slo_ms", "ttft_ms_p50", b"ttft_ms_p50", "ttft_ms_p99", b"ttft_ms_p99", "ttft_slo_ms", b"ttft_slo_ms", "window_s", b"window_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_pressure", b"block_pressure", "finished_rps", b"finished_rps", "generation_tokens_per_s", b"generation_tokens_per_s", "goodput_rps", b"goodput_rps", "kv_utilization", b"kv_utilization", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_preemptions_recompute", b"num_preemptions_recompute", "num_preemptions_swap", b"num_preemptions_swap", "num_requests_finished", b"num_requests_finished", "num_requests_refused", b"num_requests_refused", "num_running", b"num_running", "num_swapped", b"num_swapped", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting", b"num_waiting", "prefix_hit_rate", b"prefix_hit_rate", "tpot_ms_p50", b"tpot_ms_p50", "tpot_ms_p99", b"tpot_ms_p99", "tpot_slo_ms", b"tpot_slo_ms", "ttft_ms_p50", b"ttft_ms_p50", "ttft_ms_p99", b"ttft_ms_p99", "ttft_slo_ms", b"ttft_slo_ms", "window_s", b"window_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,12 +7,16 @@ with respect to every other call on the event loop.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 
 import grpc.aio
 
 from ...protos import block_manager_pb2 as pb
 from ...protos import block_manager_pb2_grpc as pb_grpc
+from ...protos import executor_pb2, executor_pb2_grpc
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
+from ..common.processes import wait_serving
 from .manager import BlockCopy, BlockManager
 from .stats import BlockStats
 from .step import (
@@ -31,6 +35,7 @@ from .step import (
     apply_step,
 )
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
 
 
@@ -107,13 +112,33 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:50061", help="unix:PATH or HOST:PORT")
-    parser.add_argument("--num-blocks", type=int, required=True, help="device KV blocks")
+    geometry = parser.add_mutually_exclusive_group(required=True)
+    geometry.add_argument("--num-blocks", type=int, help="device KV blocks")
+    geometry.add_argument("--geometry-from", metavar="ADDRESS",
+                          help="take blocks, block size and CPU blocks from the executor at ADDRESS (in a pod)")
+    parser.add_argument("--geometry-timeout", type=float, default=1800.0,
+                        help="seconds to wait for the executor to load its model (with --geometry-from)")
     parser.add_argument("--block-size", type=int, default=16, help="token slots per block")
     parser.add_argument("--cpu-blocks", type=int, default=0, help="CPU swap pool size in blocks")
     parser.add_argument("--watermark", type=float, default=0.01, help="share of blocks kept for running sequences")
 
 
+def executor_geometry(address: str, timeout: float) -> tuple[int, int, int]:
+    """(num_blocks, block_size, cpu_blocks) of the executor's cache, once it serves. In a pod the containers
+    start together: the executor sizes the cache from the memory it finds, and the block manager follows."""
+    wait_serving(address, timeout)
+    with grpc.insecure_channel(address) as channel:
+        info = executor_pb2_grpc.ExecutorStub(channel).Info(executor_pb2.InfoRequest(), timeout=30)
+    return info.num_blocks, info.block_size, info.num_cpu_blocks
+
+
 async def serve(args: argparse.Namespace) -> None:
+    if args.geometry_from:
+        log.info("waiting for the executor at %s", args.geometry_from)
+        args.num_blocks, args.block_size, args.cpu_blocks = await asyncio.to_thread(
+            executor_geometry, args.geometry_from, args.geometry_timeout)
+        log.info("cache geometry from the executor: %d blocks of %d slots, %d CPU blocks", args.num_blocks,
+                 args.block_size, args.cpu_blocks)
     manager = BlockManager(args.num_blocks, args.block_size, args.cpu_blocks, args.watermark)
     service = GrpcService(args.listen, [SERVICE_NAME])
     pb_grpc.add_BlockManagerServicer_to_server(BlockManagerServicer(manager), service.server)

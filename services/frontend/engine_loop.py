@@ -51,6 +51,11 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has died (the pod's liveness probe)."""
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()

@@ -1,4 +1,6 @@
-"""Prometheus exposition of a pod's load: `GET /metrics` on `--metrics-listen` (the operator's and HPA's input).
+"""Prometheus exposition of a pod's load: `GET /metrics` on `--metrics-listen` (the operator's and HPA's input),
+beside the kubelet's probes: `/readyz` (200 once the engine runs over both sidecars) and `/healthz` (200 unless
+the engine thread died).
 
 Nothing is counted twice: each scrape reads the engine loop's latest status (queues, block stats from the
 block manager, preemptions, refusals) and the serving metrics' sliding window (goodput, latency percentiles),
@@ -8,11 +10,13 @@ the same numbers the `Status` RPC answers with. Before the model is loaded only 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from .engine_loop import EngineLoop
@@ -52,6 +56,8 @@ class ServingCollector(Collector):
         yield preemptions
         yield CounterMetricFamily("pagedserve_requests_finished", "requests finished",
                                   value=window["num_requests_finished"])
+        yield gauge("finished_requests_per_second", f"requests finished, over {window['window_s']:g} s",
+                    window["finished_rps"])
         yield CounterMetricFamily("pagedserve_requests_refused", "requests refused because the waiting queue was full",
                                   value=status["num_refused"])
         seconds = window["window_s"]
@@ -69,9 +75,28 @@ class ServingCollector(Collector):
                         window[f"{key}_slo_ms"] / 1000)
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: not worth a log line
+        pass
+
+
 def start_exporter(listen: str, engine_loop: Callable[[], EngineLoop | None]) -> tuple[WSGIServer, threading.Thread]:
-    """Serves /metrics on HOST:PORT from a daemon thread; `server.shutdown()` stops it."""
+    """Serves /metrics, /readyz and /healthz on HOST:PORT from a daemon thread; `server.shutdown()` stops it."""
     host, _, port = listen.rpartition(":")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServingCollector(engine_loop))
-    return start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=registry)
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path not in ("/readyz", "/healthz"):
+            return metrics_app(environ, start_response)
+        loop = engine_loop()
+        ok = loop is not None and loop.alive if path == "/readyz" else loop is None or loop.alive
+        start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+        return [b"ok\n" if ok else b"not ready\n" if loop is None else b"engine thread stopped\n"]
+
+    server = make_server(host.strip("[]") or "127.0.0.1", int(port), app, ThreadingWSGIServer, _QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
+    thread.start()
+    return server, thread

@@ -76,6 +76,7 @@ class ServingMetrics:
             "num_requests_finished": self.num_requests_finished,
             "generation_tokens_per_s": tokens / self.window_s,
             "goodput_rps": good / self.window_s,
+            "finished_rps": len(finished) / self.window_s,
             "ttft_slo_ms": self.ttft_slo_ms,
             "tpot_slo_ms": self.tpot_slo_ms,
             "ttft_ms_p50": _percentile([r.ttft_ms for r in finished], 50),

@@ -15,6 +15,7 @@ from ...protos import inference_pb2_grpc as pb_grpc
 from ..block_manager.client import RemoteBlockManager
 from ..block_manager.stats import BlockStats
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
+from ..common.processes import wait_serving
 from ..executor.client import RemoteExecutor
 from ..executor.engine_config import ExecutorInfo
 from ..executor.model.registry import resolve_model
@@ -61,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:50051", help="unix:PATH or HOST:PORT")
     parser.add_argument("--block-manager", required=True, help="address of the block manager")
     parser.add_argument("--executor", required=True, help="address of the executor")
+    parser.add_argument("--sidecar-timeout", type=float, default=300.0,
+                        help="seconds to wait for the executor and block manager to serve (model load)")
     parser.add_argument("--model", default="smollm2-135m", help="the model the executor serves (for its tokenizer)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=64, help="cap on running sequences")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512, help="token budget per step")
@@ -74,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def connect(args: argparse.Namespace) -> Backend:
     """Blocking: checks the sidecars agree, loads the tokenizer, starts the engine thread."""
+    for address in (args.executor, args.block_manager):  # in a pod all three containers start at once
+        wait_serving(address, args.sidecar_timeout)
     executor, block_manager = RemoteExecutor(args.executor), RemoteBlockManager(args.block_manager)
     info = executor.info()
     check_agreement(info, block_manager.stats())

@@ -16,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack_testing import PROMPTS, Pod, free_port, wait_for
 
+from pagedserve.operator.scrape import parse_pod_metrics
 from pagedserve.protos import inference_pb2 as pb
 
 
@@ -217,6 +218,23 @@ def test_metrics_endpoint_exports_load_and_goodput(pod: Pod) -> None:
     for mode in ("recompute", "swap"):
         assert ("pagedserve_preemptions_total", (("mode", mode),)) in after
     assert after[("pagedserve_requests_refused_total", ())] == 0
+    assert after[("pagedserve_finished_requests_per_second", ())] == status.finished_rps > 0
+    # what the operator reads from the same text (operator/scrape.py)
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        seen = parse_pod_metrics(reply.read().decode())
+    assert seen is not None and seen.total_blocks == 256 and seen.used_blocks == status.num_used_blocks == 0
+    assert seen.finished_rps == status.finished_rps and seen.goodput_rps == status.goodput_rps
+    assert seen.waiting_requests == 0 and seen.preemptions_total == 0
+
+
+def test_probe_endpoints_follow_the_engine(pod: Pod) -> None:
+    """The kubelet's probes: /readyz and /healthz answer 200 while the engine runs; anything else is /metrics."""
+    address = f"127.0.0.1:{pod.proc.args[pod.proc.args.index('--metrics-port') + 1]}"  # type: ignore[index,union-attr]
+    for path in ("/readyz", "/healthz"):
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=10) as reply:
+            assert reply.status == 200 and reply.read() == b"ok\n"
+    with urllib.request.urlopen(f"http://{address}/anything", timeout=10) as reply:
+        assert b"pagedserve_ready 1.0" in reply.read()
 
 
 def test_a_full_waiting_queue_refuses_new_requests_at_once(tiny_chat_model_dir: Path) -> None:

@@ -1,0 +1,199 @@
+"""Pure builders of the objects a PagedModel owns: its Deployment and its Service.
+
+No kopf or kubernetes imports: a spec (the PagedModel's `spec`, as the API server stores it with the
+schema's defaults) goes in, plain manifests come out, so they are unit-tested without a cluster and the
+handlers only apply them. The pod runs three containers that talk over unix sockets in a shared emptyDir:
+
+    executor       loads the weights, owns the KV tensors; the only container with `nvidia.com/gpu`
+    block-manager  the KV bookkeeping sidecar; takes the cache geometry from the executor's Info
+    frontend       public gRPC API (:50051) and Prometheus /metrics with /readyz and /healthz (:9400)
+
+Every container runs as a non-root user on a read-only root filesystem; scratch space is an emptyDir.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+API_GROUP = "pagedserve.io"
+API_VERSION = "v1alpha1"
+FIELD_MANAGER = "pagedserve-operator"
+GRPC_PORT, METRICS_PORT = 50051, 9400
+RUN_DIR, SCRATCH_DIR = "/run/pagedserve", "/scratch"  # sockets; HOME and TMPDIR (the root fs is read-only)
+EXECUTOR_SOCKET = f"unix:{RUN_DIR}/executor.sock"
+BLOCK_MANAGER_SOCKET = f"unix:{RUN_DIR}/block-manager.sock"
+MODEL_LOAD_TIMEOUT_S = 1800  # a large model on a slow volume: the startup probes allow this long
+
+Manifest = dict[str, Any]
+
+
+def labels(name: str) -> dict[str, str]:
+    """The labels of everything a PagedModel owns; the first two select its pods."""
+    return {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/component": "model", "app.kubernetes.io/managed-by": FIELD_MANAGER}
+
+
+def selector(name: str) -> dict[str, str]:
+    return {k: v for k, v in labels(name).items() if k in ("app.kubernetes.io/name", "app.kubernetes.io/instance")}
+
+
+def selector_string(name: str) -> str:
+    """The label selector as the scale subresource reports it (`status.selector`)."""
+    return ",".join(f"{k}={v}" for k, v in selector(name).items())
+
+
+def owner_reference(name: str, uid: str) -> Manifest:
+    return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": "PagedModel", "name": name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _metadata(name: str, namespace: str, uid: str) -> Manifest:
+    return {"name": name, "namespace": namespace, "labels": labels(name),
+            "ownerReferences": [owner_reference(name, uid)]}
+
+
+def build_service(name: str, namespace: str, uid: str) -> Manifest:
+    return {
+        "apiVersion": "v1", "kind": "Service", "metadata": _metadata(name, namespace, uid),
+        "spec": {"type": "ClusterIP", "selector": selector(name), "ports": [
+            {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
+            {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
+        ]},
+    }
+
+
+def build_deployment(name: str, namespace: str, uid: str, spec: Mapping[str, Any], replicas: int) -> Manifest:
+    """The model's Deployment at `replicas` pods (the autoscaler's or the user's number, see handlers)."""
+    template = build_pod_template(name, spec)
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(name, namespace, uid),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector(name)},
+            # a new pod is ready before an old one goes: serving capacity never dips during a rollout
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": template,
+        },
+    }
+
+
+def build_pod_template(name: str, spec: Mapping[str, Any]) -> Manifest:
+    model_volume = spec.get("modelVolume")
+    volumes: list[Manifest] = [{"name": "run", "emptyDir": {}}, {"name": "scratch", "emptyDir": {}}]
+    mounts: list[Manifest] = [{"name": "run", "mountPath": RUN_DIR}, {"name": "scratch", "mountPath": SCRATCH_DIR}]
+    model_mounts: list[Manifest] = []
+    if model_volume:
+        source = ({"persistentVolumeClaim": {"claimName": model_volume["persistentVolumeClaim"]["claimName"],
+                                             "readOnly": True}}
+                  if "persistentVolumeClaim" in model_volume
+                  else {"hostPath": {"path": model_volume["hostPath"]["path"], "type": "Directory"}})
+        volumes.append({"name": "model", **source})
+        model_mounts = [{"name": "model", "mountPath": model_volume.get("mountPath", "/models"), "readOnly": True}]
+    containers = [_executor(spec, mounts + model_mounts), _block_manager(spec, mounts),
+                  _frontend(spec, mounts + model_mounts)]
+    pod_spec: Manifest = {
+        "containers": containers,
+        "volumes": volumes,
+        "automountServiceAccountToken": False,  # the pods never call the API server
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+    }
+    for key in ("nodeSelector", "tolerations", "priorityClassName", "runtimeClassName"):
+        if spec.get(key):
+            pod_spec[key] = spec[key]
+    return {"metadata": {"labels": labels(name)}, "spec": pod_spec}
+
+
+def _env(spec: Mapping[str, Any]) -> list[Manifest]:
+    def field(path: str) -> Manifest:
+        return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
+
+    env: list[Manifest] = [
+        {"name": "POD_NAME", "valueFrom": field("metadata.name")},
+        {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
+        {"name": "POD_IP", "valueFrom": field("status.podIP")},
+        {"name": "HOME", "value": SCRATCH_DIR},
+        {"name": "TMPDIR", "value": SCRATCH_DIR},
+    ]
+    return env + [{"name": e["name"], "value": e.get("value", "")} for e in spec.get("env", [])]
+
+
+def _container(name: str, args: list[str], spec: Mapping[str, Any], mounts: list[Manifest],
+               resources: Manifest) -> Manifest:
+    return {
+        "name": name, "image": spec.get("image", "pagedserve/pagedserve:0.1.0"),
+        "imagePullPolicy": spec.get("imagePullPolicy", "IfNotPresent"),
+        "command": ["pagedserve"], "args": args,
+        "env": [*_env(spec), {"name": "OTEL_SERVICE_NAME", "value": f"pagedserve-{name}"}],
+        "volumeMounts": mounts, "resources": resources,
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+
+
+def _health_probes(address: str, startup_s: int) -> Manifest:
+    """gRPC health over the socket (`pagedserve health`); 1.20 has no grpc probe, so an exec one."""
+    check = {"exec": {"command": ["pagedserve", "health", address]}, "timeoutSeconds": 5}
+    return {
+        "startupProbe": {**check, "periodSeconds": 2, "failureThreshold": startup_s // 2},
+        "readinessProbe": {**check, "periodSeconds": 10, "failureThreshold": 2},
+        "livenessProbe": {**check, "periodSeconds": 20, "failureThreshold": 3},
+    }
+
+
+def _executor(spec: Mapping[str, Any], mounts: list[Manifest]) -> Manifest:
+    cache = spec.get("cache", {})
+    args = ["executor", "--listen", EXECUTOR_SOCKET, "--model", spec["model"],
+            "--block-size", str(cache.get("blockSize", 16)), "--kv-cache-mib", str(cache.get("kvCacheMiB", 512)),
+            "--gpu-memory-utilization", str(cache.get("gpuMemoryUtilization", 0.9)),
+            "--cpu-swap-mib", str(cache.get("cpuSwapMiB", 0))]
+    for flag, value in (("--num-blocks", cache.get("numBlocks")), ("--max-model-len", cache.get("maxModelLen")),
+                        ("--dtype", spec.get("dtype"))):
+        if value is not None:
+            args += [flag, str(value)]
+    resources: Manifest = {"requests": {"cpu": "2", "memory": "8Gi"}}
+    custom = spec.get("executorResources") or {}
+    resources = {"requests": {**resources["requests"], **custom.get("requests", {})},
+                 "limits": dict(custom.get("limits", {}))}
+    gpus = int(spec.get("gpusPerPod", 1))
+    if gpus:
+        resources["limits"]["nvidia.com/gpu"] = gpus
+    if not resources["limits"]:
+        del resources["limits"]
+    return {**_container("executor", args, spec, mounts, resources), **_health_probes(EXECUTOR_SOCKET,
+                                                                                     MODEL_LOAD_TIMEOUT_S)}
+
+
+def _block_manager(spec: Mapping[str, Any], mounts: list[Manifest]) -> Manifest:
+    args = ["block-manager", "--listen", BLOCK_MANAGER_SOCKET, "--geometry-from", EXECUTOR_SOCKET,
+            "--geometry-timeout", str(MODEL_LOAD_TIMEOUT_S)]
+    resources = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+    return {**_container("block-manager", args, spec, mounts, resources),
+            **_health_probes(BLOCK_MANAGER_SOCKET, MODEL_LOAD_TIMEOUT_S)}
+
+
+def _frontend(spec: Mapping[str, Any], mounts: list[Manifest]) -> Manifest:
+    scheduler, slo = spec.get("scheduler", {}), spec.get("slo", {})
+    args = ["frontend", "--listen", f"0.0.0.0:{GRPC_PORT}", "--metrics-listen", f"0.0.0.0:{METRICS_PORT}",
+            "--executor", EXECUTOR_SOCKET, "--block-manager", BLOCK_MANAGER_SOCKET,
+            "--sidecar-timeout", str(MODEL_LOAD_TIMEOUT_S), "--model", spec["model"],
+            "--max-num-seqs", str(scheduler.get("maxNumSeqs", 64)),
+            "--max-num-batched-tokens", str(scheduler.get("maxNumBatchedTokens", 512)),
+            "--max-waiting-requests", str(scheduler.get("maxWaitingRequests", 256)),
+            "--preemption-mode", scheduler.get("preemptionMode", "recompute"),
+            "--ttft-slo-ms", str(slo.get("ttftMs", 2000)), "--tpot-slo-ms", str(slo.get("tpotMs", 200))]
+    resources = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
+    http = {"port": "metrics", "scheme": "HTTP"}
+    return {
+        **_container("frontend", args, spec, mounts, resources),
+        "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+        # ready once the engine runs over both sidecars; alive while its engine thread is
+        "startupProbe": {"httpGet": {**http, "path": "/healthz"}, "periodSeconds": 2,
+                         "failureThreshold": MODEL_LOAD_TIMEOUT_S // 2},
+        "readinessProbe": {"httpGet": {**http, "path": "/readyz"}, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {"httpGet": {**http, "path": "/healthz"}, "periodSeconds": 20, "failureThreshold": 3},
+    }
