@@ -22,7 +22,7 @@ COMMANDS = {
     "operator": ("pagedserve.operator.main", "run the Kubernetes operator (PagedModel, AutoscalingPolicy)"),
 }
 BENCHMARKS = {
-    "autoscale": ("pagedserve.benchmarks.autoscale", "a simulated day: the operator's scaling policy vs static and HPA"),
+    "autoscale": ("pagedserve.benchmarks.autoscale", "a simulated day: the scaling policy vs static and HPA"),
     "blocks": ("pagedserve.benchmarks.blocks", "block-manager utilization and step latency"),
     "executor": ("pagedserve.benchmarks.executor", "generation throughput vs HF transformers generate()"),
     "kernels": ("pagedserve.benchmarks.kernels", "paged decode attention bandwidth and speed vs SDPA"),

@@ -127,6 +127,9 @@ class ModelLoop:
         await self.report(namespace, name, deployment, observation, decision, auto is not None, status)
 
     async def observe(self, namespace: str, name: str) -> Observation:
+        # the ready pods are the fleet the policy reasons about: a starting pod carries no load yet (and is
+        # still counted by the Deployment's replicas); a ready pod that does not answer makes the round
+        # incomplete, and the policy holds
         pods = [p for p in await self.kube.pods(namespace, selector_string(name)) if _is_ready(p)]
         urls = {p["metadata"]["name"]: f"http://{p['status']['podIP']}:{METRICS_PORT}/metrics" for p in pods}
         answers = await scrape(urls, self.config.scrape_timeout_s)
@@ -145,7 +148,7 @@ class ModelLoop:
             return Decision(held, f"AutoscalingPolicy {auto['policyRef']!r} not found: holding {held}",
                             observation.complete, True)
         policy = ScalingPolicy.from_spec(found.get("spec", {}))
-        keep = max(policy.metrics_window_s, policy.scale_down_stabilization_s) + 2 * self.config.interval_s
+        keep = policy.history_s + 2 * self.config.interval_s
         while self.window and self.window[0].time < observation.time - keep:
             self.window.popleft()
         last_scale = None
@@ -179,15 +182,15 @@ class ModelLoop:
                           waitingRequests=observation.waiting_requests,
                           preemptionsPerSecond=round(observation.preemptions_per_s, 4))
         available = observation.complete
-        if available != self.metrics_available and not available:
-            kopf.event(self.body, type="Warning", reason="MetricsUnavailable",
-                       message=f"read /metrics of {observation.num_scraped} of {observation.num_pods} ready pods")
+        read = f"read /metrics of {observation.num_scraped} of {observation.num_pods} ready pods"
+        if observation.num_pods and not available and self.metrics_available is not False:
+            kopf.event(self.body, type="Warning", reason="MetricsUnavailable", message=read)
         self.metrics_available = available
         conditions = [
             ("Ready", ready >= self.desired, "AllReplicasReady" if ready >= self.desired else "ReplicasNotReady",
              f"{ready}/{self.desired} pods ready"),
-            ("MetricsAvailable", available, "Scraped" if available else "MetricsMissing",
-             f"read /metrics of {observation.num_scraped} of {observation.num_pods} ready pods"),
+            ("MetricsAvailable", available,
+             "Scraped" if available else "MetricsMissing" if observation.num_pods else "NoReadyPods", read),
             ("ScalingLimited", auto and decision.limited, "Limited" if auto and decision.limited else
              "Autoscaling" if auto else "ManualScaling", decision.reason),
         ]

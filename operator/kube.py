@@ -47,8 +47,16 @@ class Kube:
         meta = manifest["metadata"]
         patch = {"Deployment": self.apps.patch_namespaced_deployment,
                  "Service": self.core.patch_namespaced_service}[manifest["kind"]]
-        return await self._call(patch, meta["name"], meta["namespace"], manifest, field_manager=FIELD_MANAGER,
-                                force=True, _content_type=APPLY)
+        def call() -> Any:
+            return patch(meta["name"], meta["namespace"], manifest, field_manager=FIELD_MANAGER, force=True,
+                         _content_type=APPLY)
+
+        try:
+            return await self._call(call)
+        except ApiException as exc:  # two first applies raced to create it: the second one updates
+            if exc.status != 409:
+                raise
+            return await self._call(call)
 
     async def deployment(self, namespace: str, name: str) -> Obj | None:
         try:

@@ -3,6 +3,7 @@ arguments are parsed by pagedserve's own command line, so a pod never starts wit
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from pagedserve.operator.specs import (
     selector_string,
 )
 
+CRDS = Path(__file__).resolve().parents[2] / "charts" / "pagedserve" / "crds"
 SPEC: dict[str, Any] = {
     "model": "/models/smollm2", "modelVolume": {"mountPath": "/models", "hostPath": {"path": "/srv/weights"}},
     "gpusPerPod": 2, "cache": {"blockSize": 32, "numBlocks": 1000, "cpuSwapMiB": 256},
@@ -126,3 +128,22 @@ def test_optional_flags_and_volumes_appear_only_when_set(dtype: str | None) -> N
     assert "--num-blocks" not in executor["args"]
     volumes = build_deployment("m", "n", "u", spec, 1)["spec"]["template"]["spec"]["volumes"]
     assert "model" not in {v["name"] for v in volumes}
+
+
+def schema_defaults(schema: dict[str, Any]) -> dict[str, Any]:
+    """What the API server fills into an empty object of this schema."""
+    return {key: schema_defaults(sub) if sub.get("type") == "object" and "properties" in sub else sub["default"]
+            for key, sub in schema.get("properties", {}).items() if "default" in sub}
+
+
+def test_the_crd_defaults_are_the_policy_defaults() -> None:
+    import yaml
+
+    from pagedserve.operator.policy import ScalingPolicy
+
+    crd = yaml.safe_load((CRDS / "autoscalingpolicies.yaml").read_text())
+    spec_schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    defaults = schema_defaults(spec_schema)
+    assert defaults.keys() == {"targetBlockPressure", "targetSloAttainment", "metricsWindowSeconds", "tolerance",
+                               "scaleUp", "scaleDown", "cooldownSeconds"}
+    assert ScalingPolicy.from_spec(defaults) == ScalingPolicy()

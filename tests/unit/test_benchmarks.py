@@ -75,3 +75,30 @@ def test_bench_serve_json_smoke(tiny_chat_model_dir: Path, tmp_path: Path) -> No
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "serve.json").read_text()) == result
 
+
+
+def test_bench_autoscale_json_on_a_short_day(tmp_path: Path) -> None:
+    """A 4-hour load cycle at a 30 s scrape step through the operator's own policy: every key, sane numbers,
+    the static baseline searched to reach our attainment, and a PNG."""
+    plot, out = tmp_path / "autoscale.png", tmp_path / "autoscale.json"
+    cmd = [sys.executable, "-m", "pagedserve", "bench", "autoscale", "--json", "--hours", "4", "--interval-s", "30",
+           "--bursts", "1", "--plot", str(plot), "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"})
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    for key in ("slo_attainment", "slo_attainment_static", "slo_attainment_pressure_only", "slo_attainment_queue_only",
+                "slo_attainment_outside_bursts"):
+        assert 0.0 <= result[key] <= 1.0, key
+    assert 1 <= result["min_replicas"] <= result["max_replicas_used"] <= result["max_replicas"]
+    assert result["slo_attainment_static"] >= result["slo_attainment"]  # the fewest fixed pods that reach ours
+    assert result["replica_hours_static"] == result["static_replicas"] * 4
+    assert result["replica_hours"] < result["replica_hours_static"]  # load falls to 10 % of its peak
+    assert result["replica_hours_vs_static"] == pytest.approx(
+        result["replica_hours"] / result["replica_hours_static"], abs=0.01)
+    for key in ("replica_hours_pressure_only", "replica_hours_queue_only"):
+        assert result["min_replicas"] * 4 <= result[key] <= result["max_replicas"] * 4
+    assert result["num_scale_events"] > 0 and result["startup_s"] == 60.0
+    assert result["calibration"]["slots_per_pod"] > 1 and result["calibration"]["pod_saturation_rps"] > 0
+    assert result["trace"]["num_requests"] > 0 and len(result["trace"]["bursts_start_h"]) == 1
+    assert result["plot"] == str(plot) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(out.read_text()) == result
