@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TYPEROOT := $(VENV)/typeroot
 PYTEST_ARGS ?=
 
-.PHONY: test serve install protos protos-check lint typecheck unit bench clean
+.PHONY: test serve install protos protos-check lint typecheck cluster unit bench clean
 
 $(BIN)/python:
 	@$(PYTHON) -m venv $(VENV) 2>/dev/null || { \
@@ -41,8 +41,12 @@ lint: $(STAMP)
 typecheck: $(STAMP) | $(TYPEROOT)/pagedserve
 	MYPYPATH=$(TYPEROOT) $(BIN)/mypy -p pagedserve
 
+# A real Kubernetes control plane for tests/k8s (built once from Debian's sources, ~4-10 min cold).
+cluster:
+	bash scripts/test-cluster.sh install
+
 # PYTHONSAFEPATH keeps the working directory off sys.path, so ./operator never shadows the stdlib.
-test: protos lint typecheck
+test: protos lint typecheck cluster
 	PYTHONSAFEPATH=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 serve: protos

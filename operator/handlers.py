@@ -33,6 +33,7 @@ Logger = logging.Logger | logging.LoggerAdapter[Any]
 class OperatorConfig:
     interval_s: float = 15.0  # between scrapes and decisions
     scrape_timeout_s: float = 3.0
+    all_namespaces: bool = False
 
 
 def now_rfc3339() -> str:
@@ -67,6 +68,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=API_GROUP, key="last-handled-configuration")
     settings.posting.level = logging.WARNING  # Events: our scaling decisions and real problems only
+    # watching named namespaces needs no cluster-wide look at namespaces and CRDs (nor the rights for it)
+    settings.scanning.disabled = not memo.config.all_namespaces
     memo.kube = Kube()
 
 

@@ -43,7 +43,7 @@ def main(args: argparse.Namespace) -> None:
     priority = args.priority
     if priority is None:
         priority = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:2], "big")
-    config = handlers.OperatorConfig(interval_s=args.interval, scrape_timeout_s=args.scrape_timeout)
+    config = handlers.OperatorConfig(args.interval, args.scrape_timeout, args.all_namespaces)
     kopf.run(
         clusterwide=args.all_namespaces, namespaces=args.namespace,
         standalone=args.peering is None, peering_name=args.peering, priority=priority,

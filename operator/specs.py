@@ -160,7 +160,7 @@ def _executor(spec: Mapping[str, Any], mounts: list[Manifest]) -> Manifest:
                  "limits": dict(custom.get("limits", {}))}
     gpus = int(spec.get("gpusPerPod", 1))
     if gpus:
-        resources["limits"]["nvidia.com/gpu"] = gpus
+        resources["limits"]["nvidia.com/gpu"] = str(gpus)  # a quantity: server-side apply wants a string
     if not resources["limits"]:
         del resources["limits"]
     return {**_container("executor", args, spec, mounts, resources), **_health_probes(EXECUTOR_SOCKET,

@@ -55,7 +55,7 @@ def test_the_deployment_is_owned_selects_its_pods_and_has_the_replicas_asked_for
 
 def test_only_the_executor_asks_for_gpus_and_gpu_free_pods_ask_for_none() -> None:
     pods = containers()
-    assert pods["executor"]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert pods["executor"]["resources"]["limits"]["nvidia.com/gpu"] == "2"
     for name in ("frontend", "block-manager"):
         assert "nvidia.com/gpu" not in pods[name]["resources"].get("limits", {})
         assert pods[name]["resources"]["requests"]

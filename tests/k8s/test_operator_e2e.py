@@ -1,0 +1,321 @@
+"""The operator end to end on a real control plane: CRDs from the chart, the operator running with exactly
+its RBAC rights (a ServiceAccount token), and pods that the test kubelet runs as real pagedserve processes
+from the operator's own pod template. The model is tiny (random weights, SmolLM2's tokenizer) so that two
+cores carry two pods; its KV cache is small so that a few long requests fill it.
+
+The tests are the stages of one story and run in order: apply, serve, scale up under load, hold on
+missing metrics, scale down, follow a policy edit, survive an operator restart and hand edits, manual
+scaling, deletion. Traffic goes to the pods' loopback addresses only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from pagedserve.protos import inference_pb2 as pb
+from pagedserve.protos import inference_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+CRDS = ROOT / "charts" / "pagedserve" / "crds"
+CLUSTER_ROLE = ROOT / "charts" / "pagedserve" / "files" / "rbac" / "operator-clusterrole.yaml"
+INTERVAL_S = 1.0
+
+POLICY = {"targetBlockPressure": 0.5, "metricsWindowSeconds": 4, "tolerance": 0.0, "cooldownSeconds": 2,
+          "scaleUp": {"maxStep": 1, "stabilizationWindowSeconds": 0},
+          "scaleDown": {"maxPercent": 50, "stabilizationWindowSeconds": 4}}
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"never happened within {timeout:.0f} s: {what}"
+        time.sleep(0.2)
+    return value
+
+
+class Scenario:
+    """The namespace, the operator process and the model under test."""
+
+    def __init__(self, cluster: Any, kubelet: Any, namespace: str, model_dir: Path) -> None:
+        self.cluster, self.kubelet, self.namespace, self.model_dir = cluster, kubelet, namespace, model_dir
+        self.operator: subprocess.Popen[str] | None = None
+        self.operator_log = Path(kubelet.logs_dir) / f"operator-{namespace}.log"
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
+        return str(self.cluster.kubectl("-n", self.namespace, *args, input=input, check=check))
+
+    def get(self, kind: str, name: str = "") -> Any:
+        out = self.kubectl("get", kind, *([name] if name else []), "-o", "json", check=False)
+        return json.loads(out) if out.strip() else None
+
+    def apply(self, manifest: dict[str, Any]) -> str:
+        # the API server validates, not kubectl (1.34 would check the 1.20 schema itself, and say it differently)
+        return self.kubectl("apply", "--validate=false", "-f", "-", input=json.dumps(manifest))
+
+    def start_operator(self) -> None:
+        kubeconfig = self.cluster.service_account_kubeconfig(self.namespace, "pagedserve-operator")
+        log = self.operator_log.open("a")
+        self.operator = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve", "operator", "--namespace", self.namespace,
+             "--interval", str(INTERVAL_S), "--scrape-timeout", "0.5", "--health-listen", "127.0.0.1:0"],
+            stdout=log, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONSAFEPATH": "1"})
+
+    def stop_operator(self) -> None:
+        if self.operator is not None and self.operator.poll() is None:
+            self.operator.send_signal(signal.SIGTERM)
+            try:
+                self.operator.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.operator.kill()
+                self.operator.wait()
+        self.operator = None
+
+    def model(self) -> dict[str, Any]:
+        return dict(self.get("pagedmodel", "tiny"))
+
+    def status(self) -> dict[str, Any]:
+        return dict(self.model().get("status", {}))
+
+    def condition(self, kind: str) -> dict[str, Any]:
+        return next((c for c in self.status().get("conditions", []) if c["type"] == kind), {})
+
+    def ready_pods(self) -> list[dict[str, Any]]:
+        pods = self.get("pods", "")["items"]
+        return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
+            c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
+
+    def events(self, reason: str) -> list[dict[str, Any]]:
+        items = self.get("events", "")["items"]
+        return [e for e in items if e.get("reason") == reason and e["involvedObject"]["kind"] == "PagedModel"]
+
+    def diagnostics(self) -> str:
+        logs = self.operator_log.read_text() if self.operator_log.exists() else ""
+        return f"operator log (tail):\n{logs[-4000:]}\nstatus: {self.status()}"
+
+
+class Load:
+    """Long greedy requests kept in flight against every ready pod until stopped: they fill the KV cache."""
+
+    def __init__(self, scenario: Scenario, streams_per_pod: int = 3) -> None:
+        self.scenario, self.streams_per_pod = scenario, streams_per_pod
+        self.stop_event = threading.Event()
+        self.completed = 0
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(streams_per_pod)]
+
+    def __enter__(self) -> Load:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_event.set()
+        for thread in self.threads:
+            thread.join(timeout=60)
+
+    def _run(self, index: int) -> None:
+        ip = self.scenario.ready_pods()[0]["status"]["podIP"]  # the first pod: the one that gets hot
+        with grpc.insecure_channel(f"{ip}:50051") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            while not self.stop_event.is_set():
+                # ~53 of the 64 blocks each: one fits, three at once do not (preemptions, a queue)
+                request = pb.GenerateRequest(text=f"Request {index}: count to a thousand.",
+                                             params=pb.GenerationParameters(max_tokens=200, ignore_eos=True))
+                try:
+                    for _ in stub.Generate(request, timeout=120):
+                        if self.stop_event.is_set():
+                            break
+                    self.completed += 1
+                except grpc.RpcError as exc:
+                    self.errors.append(f"{exc.code().name}: {exc.details()}")
+                    time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def scenario(cluster: Any, kubelet: Any, tiny_chat_model_dir: Path) -> Iterator[Scenario]:
+    namespace = f"e2e-{os.getpid()}"
+    cluster.kubectl("apply", "-f", str(CRDS))
+    cluster.kubectl("apply", "-f", str(CLUSTER_ROLE))
+    cluster.kubectl("create", "namespace", namespace)
+    s = Scenario(cluster, kubelet, namespace, tiny_chat_model_dir)
+    s.kubectl("create", "serviceaccount", "pagedserve-operator")
+    s.kubectl("create", "rolebinding", "pagedserve-operator", "--clusterrole=pagedserve-operator",
+              f"--serviceaccount={namespace}:pagedserve-operator")
+    s.start_operator()
+    try:
+        yield s
+    finally:
+        s.kubectl("delete", "pagedmodel", "--all", "--wait=false", check=False)
+        time.sleep(2)  # the operator removes its finalizer before it goes
+        s.stop_operator()
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def test_invalid_resources_are_refused_by_the_api_server(scenario: Scenario) -> None:
+    bad = [
+        ({"kind": "PagedModel", "spec": {"gpusPerPod": 1}}, "spec.model: Required value"),
+        ({"kind": "PagedModel", "spec": {"model": "m", "gpusPerPod": -1}}, "spec.gpusPerPod"),
+        ({"kind": "PagedModel", "spec": {"model": "m", "cache": {"blockSize": 0}}}, "spec.cache.blockSize"),
+        ({"kind": "PagedModel", "spec": {"model": "m", "scheduler": {"preemptionMode": "drop"}}},
+         "spec.scheduler.preemptionMode"),
+        ({"kind": "PagedModel", "spec": {"model": "m", "autoscaling": {"maxReplicas": 3}}},
+         "spec.autoscaling.policyRef: Required value"),
+        ({"kind": "PagedModel", "spec": {"model": "m", "modelVolume": {
+            "hostPath": {"path": "/w"}, "persistentVolumeClaim": {"claimName": "c"}}}}, "spec.modelVolume"),
+        ({"kind": "AutoscalingPolicy", "spec": {"targetBlockPressure": 1.5}}, "spec.targetBlockPressure"),
+        ({"kind": "AutoscalingPolicy", "spec": {"scaleDown": {"maxPercent": 0}}}, "spec.scaleDown.maxPercent"),
+        ({"kind": "AutoscalingPolicy", "spec": {"cooldownSeconds": -1}}, "spec.cooldownSeconds"),
+    ]
+    for manifest, message in bad:
+        manifest = {"apiVersion": "pagedserve.io/v1alpha1", "metadata": {"name": "bad"}, **manifest}
+        with pytest.raises(Exception) as refused:
+            scenario.apply(manifest)
+        assert message in str(refused.value), (manifest, str(refused.value))
+    assert scenario.get("pagedmodels", "")["items"] == [] and scenario.get("autoscalingpolicies", "")["items"] == []
+
+
+def test_a_paged_model_creates_its_deployment_and_service_and_serves(scenario: Scenario) -> None:
+    scenario.apply({"apiVersion": "pagedserve.io/v1alpha1", "kind": "AutoscalingPolicy",
+                    "metadata": {"name": "fast"}, "spec": POLICY})
+    scenario.apply({
+        "apiVersion": "pagedserve.io/v1alpha1", "kind": "PagedModel", "metadata": {"name": "tiny"},
+        "spec": {"model": "/models/tiny", "modelVolume": {"mountPath": "/models/tiny",
+                                                          "hostPath": {"path": str(scenario.model_dir)}},
+                 "cache": {"blockSize": 4, "numBlocks": 64}, "scheduler": {"maxNumSeqs": 4},
+                 "autoscaling": {"policyRef": "fast", "minReplicas": 1, "maxReplicas": 2}}})
+    model = scenario.model()
+    deployment = wait_for(lambda: scenario.get("deployment", "tiny"), "the Deployment")
+    service = wait_for(lambda: scenario.get("service", "tiny"), "the Service")
+    for owned in (deployment, service):
+        (owner,) = owned["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+            "PagedModel", "tiny", model["metadata"]["uid"], True)
+    wait_for(lambda: scenario.status().get("readyReplicas") == 1, "one ready pod", timeout=180)
+    (pod,) = scenario.ready_pods()
+    limits = {c["name"]: c["resources"].get("limits", {}) for c in pod["spec"]["containers"]}
+    assert limits["executor"]["nvidia.com/gpu"] == "1" and "nvidia.com/gpu" not in limits["frontend"]
+    with grpc.insecure_channel(f"{pod['status']['podIP']}:50051") as channel:
+        reply = pb_grpc.InferenceStub(channel).Complete(pb.GenerateRequest(
+            text="The capital of France is", params=pb.GenerationParameters(max_tokens=8, ignore_eos=True)),
+            timeout=60)
+    assert reply.usage.completion_tokens == 8 and reply.choices[0].text
+    wait_for(lambda: scenario.condition("MetricsAvailable").get("status") == "True", "metrics read")
+    status = scenario.status()
+    assert status["selector"] == "app.kubernetes.io/name=pagedserve,app.kubernetes.io/instance=tiny"
+    assert status["desiredReplicas"] == 1 and status["blockPressure"] < 0.5 and status["observedGeneration"] >= 1
+    table = scenario.kubectl("get", "pm", "tiny")
+    assert table.split("\n")[0].split() == ["NAME", "REPLICAS", "READY", "PRESSURE", "GOODPUT", "ATTAINMENT", "AGE"]
+
+
+def frontend_pid(pod: dict[str, Any]) -> int:
+    """The frontend process the test kubelet runs for `pod` (its listen address carries the pod IP)."""
+    listen = f"{pod['status']['podIP']}:50051"
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"frontend" in argv and listen.encode() in argv:
+            return int(entry.name)
+    raise AssertionError(f"no frontend process listens on {listen}")
+
+
+def patch_policy(scenario: Scenario, **scale_down: int) -> None:
+    scenario.kubectl("patch", "asp", "fast", "--type=merge", "-p", json.dumps({"spec": {"scaleDown": scale_down}}))
+
+
+def test_load_scales_up_a_policy_edit_missing_metrics_and_idleness_scale_down(scenario: Scenario) -> None:
+    with Load(scenario) as load:
+        wait_for(lambda: scenario.status().get("desiredReplicas") == 2, f"a scale-up ({scenario.diagnostics()})",
+                 timeout=90)
+        (up,) = scenario.events("ScaledUp")
+        assert "1 -> 2" in up["message"] and "pressure" in up["message"], up["message"]
+        assert scenario.get("deployment", "tiny")["spec"]["replicas"] == 2
+        assert scenario.status()["lastScaleReason"] == up["message"]
+        wait_for(lambda: len(scenario.ready_pods()) == 2, "the second pod ready", timeout=180)
+        # `kubectl patch asp`: a long scale-down window keeps the second pod after the load goes
+        patch_policy(scenario, stabilizationWindowSeconds=3600)
+    assert load.completed > 0 and not load.errors, load.errors
+    wait_for(lambda: scenario.status().get("blockPressure") == 0, "the load gone from the metrics")
+    time.sleep(8)  # twice the policy's original window and more than its cooldown
+    assert scenario.status()["desiredReplicas"] == 2 and not scenario.events("ScaledDown"), scenario.diagnostics()
+
+    # a pod whose /metrics cannot be read holds the size, although the short window would now scale down
+    frozen = frontend_pid(scenario.ready_pods()[1])
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        patch_policy(scenario, stabilizationWindowSeconds=2)
+        wait_for(lambda: scenario.condition("MetricsAvailable").get("status") == "False", "MetricsAvailable=False")
+        assert scenario.events("MetricsUnavailable")
+        time.sleep(6)
+        assert scenario.status()["desiredReplicas"] == 2 and not scenario.events("ScaledDown"), scenario.diagnostics()
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    wait_for(lambda: scenario.status().get("desiredReplicas") == 1, f"a scale-down ({scenario.diagnostics()})",
+             timeout=90)
+    (down,) = scenario.events("ScaledDown")
+    assert "2 -> 1" in down["message"], down["message"]
+    assert scenario.condition("MetricsAvailable")["status"] == "True"
+    wait_for(lambda: scenario.get("deployment", "tiny")["spec"]["replicas"] == 1, "the Deployment at 1")
+    wait_for(lambda: len(scenario.get("pods", "")["items"]) == 1, "one pod left", timeout=60)
+
+
+def test_an_operator_restart_changes_nothing(scenario: Scenario) -> None:
+    before = scenario.get("deployment", "tiny")
+    pods = {p["metadata"]["name"] for p in scenario.get("pods", "")["items"]}
+    desired = scenario.status()["desiredReplicas"]
+    scenario.stop_operator()
+    scenario.start_operator()
+    wait_for(lambda: "Resuming is processed" in scenario.operator_log.read_text().split("Operator is stopping")[-1],
+             "the new operator resumed the model")
+    time.sleep(5 * INTERVAL_S)
+    after = scenario.get("deployment", "tiny")
+    assert after["metadata"]["generation"] == before["metadata"]["generation"]
+    assert after["spec"] == before["spec"]
+    assert {p["metadata"]["name"] for p in scenario.get("pods", "")["items"]} == pods
+    assert scenario.status()["desiredReplicas"] == desired
+
+
+def test_hand_edits_of_the_deployment_are_put_back(scenario: Scenario) -> None:
+    template = scenario.get("deployment", "tiny")["spec"]["template"]
+    scenario.kubectl("scale", "deployment", "tiny", "--replicas=2")
+    scenario.kubectl("set", "image", "deployment/tiny", "frontend=someone/else:1")
+    wait_for(lambda: scenario.get("deployment", "tiny")["spec"]["replicas"] == 1, "replicas put back")
+    wait_for(lambda: scenario.get("deployment", "tiny")["spec"]["template"] == template, "the template put back")
+    wait_for(lambda: len(scenario.ready_pods()) == 1 and len(scenario.get("pods", "")["items"]) == 1,
+             "one pod again", timeout=90)
+
+
+def test_kubectl_scale_drives_a_model_without_autoscaling(scenario: Scenario) -> None:
+    scenario.kubectl("patch", "pm", "tiny", "--type=merge", "-p", '{"spec": {"autoscaling": {"enabled": false}}}')
+    scenario.kubectl("scale", "pm", "tiny", "--replicas=2")
+    wait_for(lambda: scenario.get("deployment", "tiny")["spec"]["replicas"] == 2, "the Deployment at 2")
+    wait_for(lambda: scenario.status().get("replicas") == 2, "status.replicas 2")
+    scale = json.loads(scenario.cluster.kubectl(
+        "get", "--raw", f"/apis/pagedserve.io/v1alpha1/namespaces/{scenario.namespace}/pagedmodels/tiny/scale"))
+    assert scale["spec"]["replicas"] == 2 and scale["status"]["replicas"] == 2
+    assert scale["status"]["selector"] == scenario.status()["selector"]
+    assert scenario.condition("ScalingLimited")["reason"] == "ManualScaling"
+    scenario.kubectl("scale", "pm", "tiny", "--replicas=1")
+    wait_for(lambda: scenario.get("deployment", "tiny")["spec"]["replicas"] == 1, "the Deployment at 1")
+
+
+def test_deleting_the_model_removes_everything(scenario: Scenario) -> None:
+    scenario.kubectl("delete", "pagedmodel", "tiny", "--timeout=60s")
+    wait_for(lambda: scenario.get("deployment", "tiny") is None, "the Deployment gone")
+    wait_for(lambda: scenario.get("service", "tiny") is None, "the Service gone")
+    wait_for(lambda: scenario.get("pods", "")["items"] == [], "the pods gone", timeout=90)
+    assert scenario.operator is not None and scenario.operator.poll() is None, "the operator died"
