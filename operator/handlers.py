@@ -197,7 +197,7 @@ class ModelLoop:
             ("ScalingLimited", auto and decision.limited, "Limited" if auto and decision.limited else
              "Autoscaling" if auto else "ManualScaling", decision.reason),
         ]
-        status["conditions"] = _conditions(self.body.status.get("conditions", []), conditions)
+        status["conditions"] = merge_conditions(self.body.status.get("conditions", []), conditions)
         await self.kube.patch_model_status(namespace, name, status)
 
 
@@ -207,7 +207,7 @@ def _is_ready(pod: Obj) -> bool:
             and any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", [])))
 
 
-def _conditions(previous: list[Obj], current: list[tuple[str, bool, str, str]]) -> list[Obj]:
+def merge_conditions(previous: list[Obj], current: list[tuple[str, bool, str, str]]) -> list[Obj]:
     """Kubernetes-style conditions; lastTransitionTime moves only when the status flips."""
     before = {c.get("type"): c for c in previous}
     out = []

@@ -37,6 +37,9 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit("pagedserve operator: give --namespace NS (repeatable) or --all-namespaces")
     if args.interval <= 0 or args.scrape_timeout <= 0:
         raise SystemExit("pagedserve operator: --interval and --scrape-timeout must be > 0")
+    if not args.health_listen.rpartition(":")[2].isdigit() or int(args.health_listen.rpartition(":")[2]) == 0:
+        raise SystemExit(f"pagedserve operator: --health-listen needs HOST:PORT with a port > 0, got "
+                         f"{args.health_listen!r}")
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     load_credentials()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -12,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagedserve.protos import block_manager_pb2 as pb
 from pagedserve.protos import block_manager_pb2_grpc as pb_grpc
-from pagedserve.services.common.processes import ServiceProcess, running_service
+from pagedserve.services.common.processes import ServiceProcess, running_service, wait_serving
 
 NS = b"namespace-digest"
 
@@ -176,3 +180,34 @@ def test_unix_socket_listen(tmp_path: object) -> None:
             grpc.insecure_channel(service.address) as channel:
         stats = pb_grpc.BlockManagerStub(channel).Stats(pb.StatsRequest()).stats
         assert stats.num_total_blocks == 4
+
+
+def test_pagedserve_health_is_the_exec_probe_of_a_sidecar(server: ServiceProcess, tmp_path: Path) -> None:
+    """Exit 0 while the sidecar serves, 1 with the reason when nothing answers at the address."""
+    def health(address: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pagedserve", "health", address, "--timeout", "2"],
+                              capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONSAFEPATH": "1"})
+
+    serving = health(server.address)
+    assert serving.returncode == 0 and serving.stdout.strip() == f"{server.address}: SERVING"
+    gone = health(f"unix:{tmp_path}/nothing.sock")
+    assert gone.returncode == 1 and "UNREACHABLE: UNAVAILABLE" in gone.stdout
+
+
+def test_a_block_manager_takes_its_geometry_from_the_executor(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """In a pod the containers start together: started first, `--geometry-from` waits for the executor and
+    sizes the pool from its Info, so the two can never disagree."""
+    executor, address = f"unix:{tmp_path}/executor.sock", f"unix:{tmp_path}/bm.sock"
+    block_manager = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve", "block-manager", "--geometry-from", executor, "--listen", address],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    try:
+        with running_service(["executor", "--model", str(tiny_llama_dir), "--device", "cpu", "--block-size", "8",
+                              "--num-blocks", "24", "--cpu-swap-mib", "1"], listen=executor):
+            wait_serving(address, 120, block_manager)  # type: ignore[arg-type]
+            with grpc.insecure_channel(address) as channel:
+                stats = pb_grpc.BlockManagerStub(channel).Stats(pb.StatsRequest()).stats
+    finally:
+        block_manager.terminate()
+        assert block_manager.wait(timeout=30) == 0
+    assert (stats.num_total_blocks, stats.block_size) == (24, 8) and stats.num_cpu_blocks > 0

@@ -4,7 +4,7 @@ from the operator's own pod template. The model is tiny (random weights, SmolLM2
 cores carry two pods; its KV cache is small so that a few long requests fill it.
 
 The tests are the stages of one story and run in order: apply, serve, scale up under load, hold on
-missing metrics, scale down, follow a policy edit, survive an operator restart and hand edits, manual
+missing metrics, scale down, follow a policy edit, hand over to a standby operator, put hand edits back, manual
 scaling, deletion. Traffic goes to the pods' loopback addresses only.
 """
 
@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,12 @@ POLICY = {"targetBlockPressure": 0.5, "metricsWindowSeconds": 4, "tolerance": 0.
           "scaleDown": {"maxPercent": 50, "stabilizationWindowSeconds": 4}}
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def wait_for(condition: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
     deadline = time.monotonic() + timeout
     while not (value := condition()):
@@ -50,8 +58,10 @@ class Scenario:
 
     def __init__(self, cluster: Any, kubelet: Any, namespace: str, model_dir: Path) -> None:
         self.cluster, self.kubelet, self.namespace, self.model_dir = cluster, kubelet, namespace, model_dir
-        self.operator: subprocess.Popen[str] | None = None
-        self.operator_log = Path(kubelet.logs_dir) / f"operator-{namespace}.log"
+        self.operators: dict[int, subprocess.Popen[str]] = {}  # by peering priority
+        self.logs = Path(kubelet.logs_dir) / f"operators-{namespace}"
+        self.logs.mkdir()
+        self.health_port = 0
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
         return str(self.cluster.kubectl("-n", self.namespace, *args, input=input, check=check))
@@ -64,24 +74,34 @@ class Scenario:
         # the API server validates, not kubectl (1.34 would check the 1.20 schema itself, and say it differently)
         return self.kubectl("apply", "--validate=false", "-f", "-", input=json.dumps(manifest))
 
-    def start_operator(self) -> None:
+    def start_operator(self, priority: int) -> subprocess.Popen[str]:
+        """`pagedserve operator` as a ServiceAccount with exactly the chart's RBAC rights, in kopf peering:
+        of several, the one with the highest priority works and the others stand by."""
         kubeconfig = self.cluster.service_account_kubeconfig(self.namespace, "pagedserve-operator")
-        log = self.operator_log.open("a")
-        self.operator = subprocess.Popen(
+        log = (self.logs / f"operator-{priority}.log").open("a")
+        self.health_port = free_port()
+        operator = subprocess.Popen(
             [sys.executable, "-m", "pagedserve", "operator", "--namespace", self.namespace,
-             "--interval", str(INTERVAL_S), "--scrape-timeout", "0.5", "--health-listen", "127.0.0.1:0"],
+             "--interval", str(INTERVAL_S), "--scrape-timeout", "0.5", "--peering", "pagedserve",
+             "--priority", str(priority), "--health-listen", f"127.0.0.1:{self.health_port}"],
             stdout=log, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONSAFEPATH": "1"})
+        self.operators[priority] = operator
+        return operator
 
-    def stop_operator(self) -> None:
-        if self.operator is not None and self.operator.poll() is None:
-            self.operator.send_signal(signal.SIGTERM)
+    def operator_log(self, priority: int) -> str:
+        path = self.logs / f"operator-{priority}.log"
+        return path.read_text() if path.exists() else ""
+
+    def stop_operator(self, priority: int) -> None:
+        operator = self.operators.pop(priority)
+        if operator.poll() is None:
+            operator.send_signal(signal.SIGTERM)
             try:
-                self.operator.wait(timeout=30)
+                operator.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.operator.kill()
-                self.operator.wait()
-        self.operator = None
+                operator.kill()
+                operator.wait()
 
     def model(self) -> dict[str, Any]:
         return dict(self.get("pagedmodel", "tiny"))
@@ -102,8 +122,8 @@ class Scenario:
         return [e for e in items if e.get("reason") == reason and e["involvedObject"]["kind"] == "PagedModel"]
 
     def diagnostics(self) -> str:
-        logs = self.operator_log.read_text() if self.operator_log.exists() else ""
-        return f"operator log (tail):\n{logs[-4000:]}\nstatus: {self.status()}"
+        logs = "".join(self.operator_log(p)[-3000:] for p in self.operators)
+        return f"operator logs (tails):\n{logs}\nstatus: {self.status()}"
 
 
 class Load:
@@ -154,13 +174,15 @@ def scenario(cluster: Any, kubelet: Any, tiny_chat_model_dir: Path) -> Iterator[
     s.kubectl("create", "serviceaccount", "pagedserve-operator")
     s.kubectl("create", "rolebinding", "pagedserve-operator", "--clusterrole=pagedserve-operator",
               f"--serviceaccount={namespace}:pagedserve-operator")
-    s.start_operator()
+    s.apply({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "pagedserve"}})
+    s.start_operator(priority=100)
     try:
         yield s
     finally:
         s.kubectl("delete", "pagedmodel", "--all", "--wait=false", check=False)
         time.sleep(2)  # the operator removes its finalizer before it goes
-        s.stop_operator()
+        for priority in list(s.operators):
+            s.stop_operator(priority)
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
@@ -273,14 +295,21 @@ def test_load_scales_up_a_policy_edit_missing_metrics_and_idleness_scale_down(sc
     wait_for(lambda: len(scenario.get("pods", "")["items"]) == 1, "one pod left", timeout=60)
 
 
-def test_an_operator_restart_changes_nothing(scenario: Scenario) -> None:
+def test_a_standby_operator_takes_over_and_changes_nothing(scenario: Scenario) -> None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{scenario.health_port}/healthz", timeout=10) as reply:
+        assert reply.status == 200  # the liveness endpoint of the working operator
     before = scenario.get("deployment", "tiny")
     pods = {p["metadata"]["name"] for p in scenario.get("pods", "")["items"]}
     desired = scenario.status()["desiredReplicas"]
-    scenario.stop_operator()
-    scenario.start_operator()
-    wait_for(lambda: "Resuming is processed" in scenario.operator_log.read_text().split("Operator is stopping")[-1],
-             "the new operator resumed the model")
+    scenario.start_operator(priority=50)
+    # a kopf operator starts paused and resumes only when no peer of a higher priority is alive
+    wait_for(lambda: sorted(p["priority"] for p in scenario.get("kopfpeering", "pagedserve")["status"].values())
+             == [50, 100], "both operators in the peering")
+    time.sleep(3 * INTERVAL_S)
+    assert "Resuming operations" not in scenario.operator_log(50) and "processed" not in scenario.operator_log(50)
+    scenario.stop_operator(100)
+    wait_for(lambda: "Resuming operations after the pause" in scenario.operator_log(50), "the standby taking over")
+    wait_for(lambda: "Resuming is processed" in scenario.operator_log(50), "the standby resumed the model")
     time.sleep(5 * INTERVAL_S)
     after = scenario.get("deployment", "tiny")
     assert after["metadata"]["generation"] == before["metadata"]["generation"]
@@ -318,4 +347,4 @@ def test_deleting_the_model_removes_everything(scenario: Scenario) -> None:
     wait_for(lambda: scenario.get("deployment", "tiny") is None, "the Deployment gone")
     wait_for(lambda: scenario.get("service", "tiny") is None, "the Service gone")
     wait_for(lambda: scenario.get("pods", "")["items"] == [], "the pods gone", timeout=90)
-    assert scenario.operator is not None and scenario.operator.poll() is None, "the operator died"
+    assert all(operator.poll() is None for operator in scenario.operators.values()), "an operator died"

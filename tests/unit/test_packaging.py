@@ -1,5 +1,6 @@
 """A plain (non-editable) build ships every top-level folder as a subpackage of `pagedserve`, nothing else."""
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -23,3 +24,17 @@ def test_wheel_maps_top_level_folders_under_pagedserve(tmp_path: Path) -> None:
                    "protos/block_manager_pb2.py", "protos/block_manager.proto", "benchmarks/blocks.py"):
         assert f"pagedserve/{module}" in names, module
     assert not any(name.startswith("pagedserve/tests/") for name in names)
+
+
+def test_the_operator_needs_no_model_stack() -> None:
+    """`pagedserve operator` runs in a small pod: it must not import torch (or the executor) at all."""
+    code = ("import sys; from pagedserve.cli import build_parser; "
+            "build_parser(['operator', '--namespace', 'x']).parse_args(['operator', '--namespace', 'x']); "
+            "import pagedserve.operator.handlers; print(sorted(m for m in ('torch', 'transformers', "
+            "'pagedserve.services.executor') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert out.stdout.strip() == "[]", out.stdout
+    refused = subprocess.run([sys.executable, "-m", "pagedserve", "operator"], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert refused.returncode != 0 and "--namespace NS (repeatable) or --all-namespaces" in refused.stderr
