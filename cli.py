@@ -20,6 +20,7 @@ COMMANDS = {
     "status": ("pagedserve.services.frontend.client_cli:status", "a server's scheduler and KV-cache state"),
     "health": ("pagedserve.services.common.health_cli", "check a service's gRPC health (exit 0 when SERVING)"),
     "operator": ("pagedserve.operator.main", "run the Kubernetes operator (PagedModel, AutoscalingPolicy)"),
+    "delete-models": ("pagedserve.operator.cleanup", "delete PagedModels and wait until the operator released them"),
 }
 BENCHMARKS = {
     "autoscale": ("pagedserve.benchmarks.autoscale", "a simulated day: the scaling policy vs static and HPA"),

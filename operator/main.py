@@ -2,7 +2,7 @@
 
 It needs a kubeconfig or in-cluster credentials and nothing else: no model, no torch. With `--peering`
 two replicas run safely: kopf's peering lets the one with the higher priority work while the other
-stands by (the priority is drawn from the pod name, so two replicas never tie).
+stands by (the priority is drawn from the pod name, so two replicas practically never tie).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import os
 import socket
 
 import kopf
@@ -44,8 +45,9 @@ def main(args: argparse.Namespace) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     load_credentials()
     priority = args.priority
-    if priority is None:
-        priority = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:2], "big")
+    if priority is None:  # the pod's name where the chart sets it: replicas never tie
+        name = os.environ.get("POD_NAME") or socket.gethostname()
+        priority = int.from_bytes(hashlib.sha256(name.encode()).digest()[:2], "big")
     config = handlers.OperatorConfig(args.interval, args.scrape_timeout, args.all_namespaces)
     kopf.run(
         clusterwide=args.all_namespaces, namespaces=args.namespace,

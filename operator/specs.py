@@ -29,13 +29,14 @@ Manifest = dict[str, Any]
 
 
 def labels(name: str) -> dict[str, str]:
-    """The labels of everything a PagedModel owns; the first two select its pods."""
-    return {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/instance": name,
-            "app.kubernetes.io/component": "model", "app.kubernetes.io/managed-by": FIELD_MANAGER}
+    """The labels of everything a PagedModel owns; all but the last select its pods."""
+    return {**selector(name), "app.kubernetes.io/managed-by": FIELD_MANAGER}
 
 
 def selector(name: str) -> dict[str, str]:
-    return {k: v for k, v in labels(name).items() if k in ("app.kubernetes.io/name", "app.kubernetes.io/instance")}
+    # the component keeps a model's pods apart from the operator's, whose instance label may be the same name
+    return {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/component": "model"}
 
 
 def selector_string(name: str) -> str:
@@ -101,7 +102,8 @@ def build_pod_template(name: str, spec: Mapping[str, Any]) -> Manifest:
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
                             "seccompProfile": {"type": "RuntimeDefault"}},
     }
-    for key in ("nodeSelector", "tolerations", "priorityClassName", "runtimeClassName"):
+    for key in ("nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "imagePullSecrets",
+                "priorityClassName", "runtimeClassName"):
         if spec.get(key):
             pod_spec[key] = spec[key]
     return {"metadata": {"labels": labels(name)}, "spec": pod_spec}

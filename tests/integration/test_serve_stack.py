@@ -4,7 +4,9 @@ real tokenizer and chat template, so text goes through every layer."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -293,3 +295,14 @@ def test_serve_reports_a_component_that_dies(tiny_chat_model_dir: Path) -> None:
     finally:
         stack.stop()
     assert all(s.proc.poll() is not None for s in stack.services.values())
+
+
+def test_every_dashboard_query_uses_only_exported_metrics(pod: Pod) -> None:
+    """The chart's Grafana dashboard: each metric name in each PromQL expression is on a live /metrics."""
+    address = f"127.0.0.1:{pod.proc.args[pod.proc.args.index('--metrics-port') + 1]}"  # type: ignore[index,union-attr]
+    exported = {name for name, _ in scrape(address)}
+    dashboard = Path(__file__).resolve().parents[2] / "charts/pagedserve/files/dashboards/pagedserve.json"
+    expressions = [t["expr"] for panel in json.loads(dashboard.read_text())["panels"] for t in panel["targets"]]
+    used = {name for expr in expressions for name in re.findall(r"\bpagedserve_[a-z0-9_]+", expr)}
+    assert len(expressions) >= 10 and len(used) >= 15
+    assert used <= exported, f"not exported: {sorted(used - exported)}"

@@ -9,7 +9,10 @@ in the k8s tests, with no container engine. What a container would give and how 
 - Image: there is none, so `command` is required; it is looked up on PATH with this Python's bin
   directory first (`pagedserve` is the checkout's console script). The child gets this process's
   environment (minus KUBECONFIG: a pod has no admin credentials), PYTHONUNBUFFERED=1, PYTHONSAFEPATH=1,
-  then the container's env on top. No service-account token is mounted.
+  then the container's env on top.
+- Service account: client libraries read a mounted token at fixed paths (/var/run/secrets/...), which
+  cannot be rewritten; a pod that automounts its token gets KUBECONFIG instead, a kubeconfig holding its
+  ServiceAccount's token (the same identity and rights, through the same API server).
 - Mounts: a volumeMount's mountPath is rewritten (longest first, as a path prefix) in command, args, env
   values and exec probes to a local directory: emptyDir is a fresh per-pod directory, hostPath is the
   path itself, configMap/secret are their keys written as files in a per-pod directory (other volume
@@ -218,7 +221,8 @@ class Container(threading.Thread):
 
     def child_env(self) -> dict[str, str]:
         inherited = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
-        child = {**inherited, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1", **self.env}
+        credentials = {"KUBECONFIG": self.pod.kubeconfig} if self.pod.kubeconfig else {}
+        child = {**inherited, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1", **credentials, **self.env}
         child["PATH"] = os.pathsep.join([VENV_BIN, child.get("PATH", os.defpath)])
         return child
 
@@ -336,6 +340,7 @@ class PodWorker(threading.Thread):
         self.stopping, self.changed = threading.Event(), threading.Event()
         self.finalise = False
         self.volumes: dict[str, str] = {}
+        self.kubeconfig = ""  # the ServiceAccount's credentials, when the pod automounts them
         self.containers = [Container(self, c) for c in self.spec["containers"]]
         self.start_time = now()
         self.conditions: dict[str, tuple[bool, str]] = {}
@@ -379,9 +384,32 @@ class PodWorker(threading.Thread):
                 if error.status not in (404, 409):
                     raise
 
+    def prepare_credentials(self) -> None:
+        """A kubeconfig with the pod's ServiceAccount token (ValueError until the token controller made it)."""
+        if self.spec.get("automountServiceAccountToken") is False:
+            return
+        account = self.spec.get("serviceAccountName") or "default"
+        found = as_dict(self.kubelet.api.read_namespaced_service_account(account, self.namespace,
+                                                                         _preload_content=False))
+        secrets = [s["name"] for s in found.get("secrets") or []]
+        if not secrets:
+            raise ValueError(f"ServiceAccount {account} has no token Secret yet")
+        token = base64.b64decode(self.read("secret", secrets[0], False)["data"]["token"]).decode()
+        user = f"system:serviceaccount:{self.namespace}:{account}"
+        config = {"apiVersion": "v1", "kind": "Config", "current-context": user,
+                  "clusters": [{"name": "cluster", "cluster": self.kubelet.cluster}],
+                  "users": [{"name": user, "user": {"token": token}}],
+                  "contexts": [{"name": user, "context": {"cluster": "cluster", "user": user,
+                                                          "namespace": self.namespace}}]}
+        path = self.root / "serviceaccount.kubeconfig"
+        path.write_text(json.dumps(config))  # JSON is YAML
+        path.chmod(0o600)
+        self.kubeconfig = str(path)
+
     def prepare_volumes(self) -> None:
         """Local directories for the pod's volumes; configMap and secret keys become files."""
         self.root.mkdir(parents=True, exist_ok=True)
+        self.prepare_credentials()
         for volume in self.spec.get("volumes", []):
             name, path = volume["name"], self.root / volume["name"]
             if "hostPath" in volume:
@@ -472,8 +500,9 @@ class PodWorker(threading.Thread):
 class Kubelet:
     """Keeps one PodWorker per pod uid bound to the node; hands out loopback pod IPs."""
 
-    def __init__(self, api: kubernetes.client.CoreV1Api, node: str, state_dir: Path) -> None:
+    def __init__(self, api: kubernetes.client.CoreV1Api, node: str, state_dir: Path, cluster: Obj) -> None:
         self.api, self.node, self.state_dir = api, node, state_dir
+        self.cluster = cluster  # the API server and its CA, as a kubeconfig's cluster entry
         self.workers: dict[str, PodWorker] = {}  # every pod seen in this run, by uid (a uid never comes back)
         self.ips_given = 0
         self.lock = threading.Lock()
@@ -554,6 +583,16 @@ def watch_pods(kubelet: Kubelet, stop: threading.Event) -> None:
             stop.wait(1.0)
 
 
+def current_cluster(kubeconfig: str | None) -> Obj:
+    """The current context's cluster entry (server, CA) of the kubeconfig (or $KUBECONFIG)."""
+    import yaml
+
+    path = kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0]
+    config = yaml.safe_load(Path(path).read_text())
+    context = next(c["context"] for c in config["contexts"] if c["name"] == config["current-context"])
+    return dict(next(c["cluster"] for c in config["clusters"] if c["name"] == context["cluster"]))
+
+
 def main() -> int:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -563,7 +602,7 @@ def main() -> int:
     args = parser.parse_args()
     kubernetes.config.load_kube_config(config_file=args.kubeconfig)
     args.logs.mkdir(parents=True, exist_ok=True)
-    kubelet = Kubelet(kubernetes.client.CoreV1Api(), args.node, args.logs.resolve())
+    kubelet = Kubelet(kubernetes.client.CoreV1Api(), args.node, args.logs.resolve(), current_cluster(args.kubeconfig))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -244,3 +244,30 @@ def test_config_map_and_secret_volumes_hold_their_keys(cluster: Cluster, kubelet
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pod))
     cluster.kubectl("wait", "--for=condition=Ready", "pod/configured", "-n", namespace, "--timeout=20s")
     assert "fasts3cret" in kubelet.logs(namespace, "configured")
+
+
+def test_a_pod_acts_with_its_service_account_and_only_when_it_mounts_it(
+        cluster: Cluster, kubelet: Kubelet, namespace: str) -> None:
+    """The operator's pod calls the API server as its ServiceAccount: the kubelet hands it a kubeconfig
+    with that account's token; a pod that opts out (as the model pods do) gets no credentials at all."""
+    cluster.kubectl("create", "serviceaccount", "lister", "-n", namespace)
+    cluster.kubectl("create", "rolebinding", "lister", "--clusterrole=view", f"--serviceaccount={namespace}:lister",
+                    "-n", namespace)
+    script = ("import os, kubernetes; kubernetes.config.load_kube_config(); api = kubernetes.client.CoreV1Api(); "
+              f"print('pods:', len(api.list_namespaced_pod('{namespace}').items)); "
+              "print('default:', api.list_namespaced_pod('default', _preload_content=False).status)")
+    check = "import os; print('credentials:', os.environ.get('KUBECONFIG', 'none'))"
+
+    def pod(name: str, command: list[str], **spec: Any) -> Obj:
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": {
+            "restartPolicy": "Never", **spec,
+            "containers": [{"name": "main", "image": "unused", "command": command}]}}
+
+    for manifest in (pod("lister", ["python", "-c", script], serviceAccountName="lister"),
+                     pod("sealed", ["python", "-c", check], automountServiceAccountToken=False)):
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+    wait_for(lambda: "exited" in kubelet.logs(namespace, "lister") and "exited" in kubelet.logs(namespace, "sealed"),
+             "both pods ran", timeout=60)
+    listed = kubelet.logs(namespace, "lister")
+    assert "pods: " in listed and "default:" not in listed and "403" in listed, listed  # its rights, no more
+    assert "credentials: none" in kubelet.logs(namespace, "sealed")

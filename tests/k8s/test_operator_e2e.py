@@ -236,7 +236,8 @@ def test_a_paged_model_creates_its_deployment_and_service_and_serves(scenario: S
     assert reply.usage.completion_tokens == 8 and reply.choices[0].text
     wait_for(lambda: scenario.condition("MetricsAvailable").get("status") == "True", "metrics read")
     status = scenario.status()
-    assert status["selector"] == "app.kubernetes.io/name=pagedserve,app.kubernetes.io/instance=tiny"
+    assert status["selector"] == ("app.kubernetes.io/name=pagedserve,app.kubernetes.io/instance=tiny,"
+                                  "app.kubernetes.io/component=model")
     assert status["desiredReplicas"] == 1 and status["blockPressure"] < 0.5 and status["observedGeneration"] >= 1
     table = scenario.kubectl("get", "pm", "tiny")
     assert table.split("\n")[0].split() == ["NAME", "REPLICAS", "READY", "PRESSURE", "GOODPUT", "ATTAINMENT", "AGE"]
@@ -326,6 +327,34 @@ def test_hand_edits_of_the_deployment_are_put_back(scenario: Scenario) -> None:
     wait_for(lambda: scenario.get("deployment", "tiny")["spec"]["template"] == template, "the template put back")
     wait_for(lambda: len(scenario.ready_pods()) == 1 and len(scenario.get("pods", "")["items"]) == 1,
              "one pod again", timeout=90)
+
+
+def test_a_spec_change_rolls_the_pods(scenario: Scenario) -> None:
+    (old,) = scenario.ready_pods()
+    scenario.kubectl("patch", "pm", "tiny", "--type=merge", "-p", '{"spec": {"scheduler": {"maxNumSeqs": 3}}}')
+
+    def frontend_args() -> list[str]:
+        containers = scenario.get("deployment", "tiny")["spec"]["template"]["spec"]["containers"]
+        return list(next(c for c in containers if c["name"] == "frontend")["args"])
+
+    wait_for(lambda: frontend_args()[frontend_args().index("--max-num-seqs") + 1] == "3", "the new template")
+    def replaced() -> bool:
+        pods = scenario.get("pods", "")["items"]
+        return (len(pods) == 1 and pods[0]["metadata"]["name"] != old["metadata"]["name"]
+                and len(scenario.ready_pods()) == 1)
+
+    wait_for(replaced, "the pod replaced by one of the new template", timeout=120)
+    wait_for(lambda: scenario.status().get("observedGeneration") == scenario.model()["metadata"]["generation"],
+                    "the status observing the new generation")
+
+
+def test_a_missing_policy_holds_the_size_and_says_so(scenario: Scenario) -> None:
+    scenario.kubectl("patch", "pm", "tiny", "--type=merge", "-p", '{"spec": {"autoscaling": {"policyRef": "gone"}}}')
+    wait_for(lambda: "'gone' not found" in scenario.condition("ScalingLimited").get("message", ""),
+             "ScalingLimited naming the missing policy")
+    assert scenario.condition("ScalingLimited")["status"] == "True" and scenario.status()["desiredReplicas"] == 1
+    scenario.kubectl("patch", "pm", "tiny", "--type=merge", "-p", '{"spec": {"autoscaling": {"policyRef": "fast"}}}')
+    wait_for(lambda: scenario.condition("ScalingLimited").get("status") == "False", "the policy found again")
 
 
 def test_kubectl_scale_drives_a_model_without_autoscaling(scenario: Scenario) -> None:

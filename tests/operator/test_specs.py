@@ -25,6 +25,9 @@ SPEC: dict[str, Any] = {
     "env": [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel:4317"}],
     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     "nodeSelector": {"nvidia.com/gpu.present": "true"},
+    "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                   "whenUnsatisfiable": "ScheduleAnyway"}],
+    "imagePullSecrets": [{"name": "registry"}], "runtimeClassName": "nvidia",
 }
 
 
@@ -94,7 +97,9 @@ def test_the_pod_shares_one_socket_directory_and_mounts_the_weights_read_only() 
         assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         assert {"startupProbe", "readinessProbe", "livenessProbe"} <= container.keys()
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["automountServiceAccountToken"] is False
-    assert pod["tolerations"] == SPEC["tolerations"] and pod["nodeSelector"] == SPEC["nodeSelector"]
+    for key in ("tolerations", "nodeSelector", "topologySpreadConstraints", "imagePullSecrets", "runtimeClassName"):
+        assert pod[key] == SPEC[key], key
+    assert "affinity" not in pod and "priorityClassName" not in pod  # unset: left to the cluster's defaults
     pvc = {**SPEC, "modelVolume": {"persistentVolumeClaim": {"claimName": "weights"}}}
     volumes = {v["name"]: v for v in build_deployment("llm", "ns", "u", pvc, 1)["spec"]["template"]["spec"]["volumes"]}
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
