@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any, cast
 
 import kubernetes
 from kubernetes.client.rest import ApiException
@@ -30,8 +31,8 @@ def main(args: argparse.Namespace) -> None:
     api = kubernetes.client.CustomObjectsApi()
 
     def names() -> list[str]:
-        found = api.list_namespaced_custom_object(API_GROUP, API_VERSION, args.namespace, "pagedmodels",
-                                                  label_selector=args.selector)
+        found = cast(dict[str, Any], api.list_namespaced_custom_object(
+            API_GROUP, API_VERSION, args.namespace, "pagedmodels", label_selector=args.selector))
         return sorted(item["metadata"]["name"] for item in found.get("items", []))
 
     for name in names():

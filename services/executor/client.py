@@ -8,9 +8,7 @@ from ...protos import executor_pb2 as pb
 from ...protos import executor_pb2_grpc as pb_grpc
 from ..common.grpc_server import CHANNEL_OPTIONS
 from ..common.tracing import traced_channel
-from .engine_config import ExecutorInfo
-from .runner import StepInput
-from .sampling import SampledToken
+from .step_types import ExecutorInfo, SampledToken, StepInput
 
 
 def step_to_proto(step: StepInput) -> pb.ExecuteRequest:

@@ -19,8 +19,8 @@ from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .model.loader import load_model
 from .model.registry import resolve_model
-from .runner import ModelRunner, SequenceInput, StepInput, kv_bytes_per_block
-from .sampling import GREEDY
+from .runner import ModelRunner, kv_bytes_per_block
+from .step_types import GREEDY, ExecutorInfo, SequenceInput, StepInput
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -49,21 +49,6 @@ class ExecutorConfig:
             num_blocks=args.num_blocks, cpu_swap_bytes=args.cpu_swap_mib * MiB, max_model_len=args.max_model_len,
             num_threads=args.threads,
         )
-
-
-@dataclass(frozen=True)
-class ExecutorInfo:
-    model: str
-    model_digest: str
-    dtype: str
-    device: str
-    vocab_size: int
-    max_model_len: int
-    block_size: int
-    num_blocks: int
-    num_cpu_blocks: int
-    eos_token_ids: tuple[int, ...]
-    kernel_backend: str
 
 
 def add_executor_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,6 @@ another sequence in the same step, so its contents must leave before anything wr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -17,25 +16,8 @@ from ..common.errors import InvalidRequest
 from .attention import build_attention_metadata
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
-from .sampling import MAX_TOP_LOGPROBS, SampledToken, SamplingParams, sample
-
-
-@dataclass(frozen=True)
-class SequenceInput:
-    seq_id: int
-    token_ids: Sequence[int]  # tokens whose KV is computed this step
-    start_position: int  # position of token_ids[0]
-    block_table: Sequence[int]  # covers positions [0, start_position + len(token_ids))
-    slot_mapping: Sequence[int]  # one cache slot per token
-    sampling: SamplingParams | None = None  # None: no next token wanted (a non-final prefill chunk)
-
-
-@dataclass(frozen=True)
-class StepInput:
-    sequences: Sequence[SequenceInput]
-    swap_out: Sequence[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
-    swap_in: Sequence[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
-    copies: Sequence[tuple[int, int]] = field(default_factory=list)  # (device src, device dst)
+from .sampling import sample
+from .step_types import MAX_TOP_LOGPROBS, SampledToken, StepInput
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

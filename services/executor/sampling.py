@@ -8,37 +8,11 @@ picks token i with probability p_i.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 
-MAX_TOP_LOGPROBS = 20
+from .step_types import SampledToken, SamplingParams
+
 _GOLDEN = 0x9E3779B97F4A7C15  # decorrelates (seed, position) pairs before they seed a generator
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    seed: int = 0
-    num_top_logprobs: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
-
-
-GREEDY = SamplingParams()
-
-
-class SampledToken(NamedTuple):
-    seq_id: int
-    token_id: int
-    logprob: float  # of the chosen token under the model's distribution (before temperature and filters)
-    top_token_ids: list[int]
-    top_logprobs: list[float]
 
 
 def sample(

@@ -17,8 +17,8 @@ from ...protos import executor_pb2_grpc as pb_grpc
 from ..common.errors import NotReady
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from .engine_config import ExecutorConfig, add_executor_arguments, build_runner
-from .runner import ModelRunner, SequenceInput, StepInput
-from .sampling import SamplingParams
+from .runner import ModelRunner
+from .step_types import SamplingParams, SequenceInput, StepInput
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 

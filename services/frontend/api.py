@@ -20,8 +20,8 @@ from transformers import PreTrainedTokenizerFast
 from ...protos import inference_pb2 as pb
 from ...protos import inference_pb2_grpc as pb_grpc
 from ..common.errors import InvalidRequest, NotReady
-from ..executor.engine_config import ExecutorInfo
 from ..executor.model.tokenizer import render_chat
+from ..executor.step_types import ExecutorInfo
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .engine_loop import EngineLoop
 from .metrics import latency

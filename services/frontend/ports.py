@@ -8,13 +8,15 @@ forward pass, sampling; it returns one token per sequence that asked for one, in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..block_manager.manager import BlockManager
 from ..block_manager.stats import BlockStats
 from ..block_manager.step import Op, StepAnswer, apply_step
-from ..executor.runner import ModelRunner, StepInput
-from ..executor.sampling import SampledToken
+from ..executor.step_types import SampledToken, StepInput
+
+if TYPE_CHECKING:  # the scheduler imports this module in the frontend, which must not load torch
+    from ..executor.runner import ModelRunner
 
 
 class BlockManagerPort(Protocol):

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..common.errors import InvalidRequest
-from ..executor.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from ..executor.step_types import MAX_TOP_LOGPROBS, SamplingParams
 
 
 @dataclass(frozen=True)

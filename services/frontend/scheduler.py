@@ -35,8 +35,7 @@ from ..block_manager.step import (
     SwapInOp,
     SwapOutOp,
 )
-from ..executor.runner import SequenceInput, StepInput
-from ..executor.sampling import SampledToken
+from ..executor.step_types import SampledToken, SequenceInput, StepInput
 from .ports import BlockManagerPort
 from .request import FinishReason, Request, SeqStatus, SequenceOutput, SequenceState, StepOutput
 

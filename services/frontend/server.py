@@ -17,9 +17,9 @@ from ..block_manager.stats import BlockStats
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from ..common.processes import wait_serving
 from ..executor.client import RemoteExecutor
-from ..executor.engine_config import ExecutorInfo
 from ..executor.model.registry import resolve_model
 from ..executor.model.tokenizer import load_tokenizer
+from ..executor.step_types import ExecutorInfo
 from .api import Backend, InferenceServicer
 from .engine import Engine, EngineLimits, ModelIdentity
 from .engine_loop import EngineLoop

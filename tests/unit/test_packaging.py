@@ -6,6 +6,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 import pagedserve
 
 
@@ -38,3 +40,42 @@ def test_the_operator_needs_no_model_stack() -> None:
     refused = subprocess.run([sys.executable, "-m", "pagedserve", "operator"], capture_output=True, text=True,
                              timeout=120, env={**os.environ, "PYTHONSAFEPATH": "1"})
     assert refused.returncode != 0 and "--namespace NS (repeatable) or --all-namespaces" in refused.stderr
+
+
+# One pod image runs all three containers, but only the executor's may load torch (~300 MB of RSS).
+# Each component runs what its container runs at start, short of serving: its CLI, and for the frontend
+# the tokenizer of the default model (transformers' AutoTokenizer and GGUF reader import torch).
+CONTAINER_STARTS = {
+    "frontend": (
+        "from pagedserve.cli import build_parser\n"
+        "argv = ['frontend', '--block-manager', 'unix:bm.sock', '--executor', 'unix:ex.sock']\n"
+        "build_parser(argv).parse_args(argv)\n"
+        "from pagedserve.services.executor.model.registry import resolve_model\n"
+        "from pagedserve.services.executor.model.tokenizer import load_tokenizer, render_chat\n"
+        "render_chat(load_tokenizer(resolve_model('smollm2-135m')), [{'role': 'user', 'content': 'hi'}])\n"
+    ),
+    "block-manager": (
+        "from pagedserve.cli import build_parser\n"
+        "argv = ['block-manager', '--geometry-from', 'unix:ex.sock']\n"
+        "build_parser(argv).parse_args(argv)\n"
+        "import pagedserve.services.block_manager.server\n"
+    ),
+    "executor": "import pagedserve.services.executor.server\n",
+}
+
+
+def loads_torch(component: str) -> bool:
+    """In a fresh interpreter, so that one component's import of torch cannot hide another's."""
+    code = CONTAINER_STARTS[component] + "import sys; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"})
+    return out.stdout.strip().splitlines()[-1] == "True"
+
+
+@pytest.mark.parametrize("component", ["frontend", "block-manager"])
+def test_only_the_executor_container_loads_torch(component: str) -> None:
+    assert not loads_torch(component), f"the {component} imported torch"
+
+
+def test_the_executor_loads_torch() -> None:
+    assert loads_torch("executor")  # else the check above proves nothing

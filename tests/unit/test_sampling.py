@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from pagedserve.services.executor.sampling import SamplingParams, sample
+from pagedserve.services.executor.sampling import sample
+from pagedserve.services.executor.step_types import SamplingParams
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 PROBS = torch.softmax(LOGITS[0], dim=0)

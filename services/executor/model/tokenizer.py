@@ -1,27 +1,38 @@
 """The model's own tokenizer and chat template, from its Hugging Face directory or from its GGUF metadata.
 
+Without `AutoTokenizer`: its module imports transformers' configuration code, and with it torch, and so
+does transformers' GGUF reader; the frontend tokenizes in a container that must not load torch. So a
+GGUF's tokenizer metadata is read with `gguf` and handed to the builder transformers itself uses for
+GGUF files; a directory's tokenizer.json is loaded as it is, by the generic fast tokenizer class (for the
+byte-level vocabularies of Llama 3, Qwen2 and SmolLM2, AutoTokenizer's per-model classes rebuild the same).
+
 `local_files_only`: a model given as a local path must never reach out to a hub (none is reachable in
 production pods anyway, and a silent download would change what is served).
 """
 
 from __future__ import annotations
 
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from pathlib import Path
+
+from gguf import GGUFReader
+from transformers import PreTrainedTokenizerFast
+from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
 from .registry import ModelSource
+
+# special token -> the GGUF key of its id
+_GGUF_SPECIAL_TOKENS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerFast:
     if source.kind == "gguf":
-        # transformers rebuilds a fast tokenizer from the GGUF vocabulary and merges (seconds, once).
-        tokenizer = AutoTokenizer.from_pretrained(
-            source.path.parent, gguf_file=source.path.name, local_files_only=True
-        )
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(source.path, local_files_only=True)
-    if not isinstance(tokenizer, PreTrainedTokenizerFast):
-        raise TypeError(f"{source.name}: expected a fast tokenizer, got {type(tokenizer).__name__}")
-    return tokenizer
+        return _tokenizer_from_gguf(source.path)
+    return PreTrainedTokenizerFast.from_pretrained(source.path, local_files_only=True)
 
 
 def render_chat(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str]]) -> list[int]:
@@ -34,3 +45,21 @@ def render_chat(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str
         raise TypeError(f"apply_chat_template returned {type(text).__name__}, not the rendered text")
     # The template writes its special tokens itself: adding BOS again would double it.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _tokenizer_from_gguf(path: Path) -> PreTrainedTokenizerFast:
+    """What `AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)` builds (same vocabulary,
+    merges, special tokens and chat template)."""
+    reader = GGUFReader(path)
+    metadata = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    vocabulary, config = (
+        {name: metadata[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING[group].items()
+         if f"tokenizer.{key}" in metadata}
+        for group in ("tokenizer", "tokenizer_config")
+    )
+    if vocabulary.get("tokenizer_type") == "llama":  # llama.cpp adds BOS to a sentencepiece vocabulary by default
+        config.setdefault("add_bos_token", True)
+    for name, key in _GGUF_SPECIAL_TOKENS.items():
+        config[name] = vocabulary["tokens"][metadata[key]] if key in metadata else None
+    backend, extra = convert_gguf_tokenizer(reader.fields["general.architecture"].contents(), vocabulary)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=str(path.parent), **config, **extra)
