@@ -7,10 +7,7 @@ reported (Info), and the block manager is started to agree with it.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
-from dataclasses import dataclass
 
 import torch
 
@@ -19,52 +16,13 @@ from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .model.loader import load_model
 from .model.registry import resolve_model
+from .options import DTYPE_NAMES, ExecutorConfig, MiB
 from .runner import ModelRunner, kv_bytes_per_block
 from .step_types import GREEDY, ExecutorInfo, SequenceInput, StepInput
 
 log = logging.getLogger(__name__)
-MiB = 1 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ExecutorConfig:
-    model: str = "smollm2-135m"
-    dtype: str | None = None  # default: float32 on the CPU, bfloat16 on a GPU
-    device: str | None = None  # default: cuda when available
-    block_size: int = 16
-    kv_cache_bytes: int = 512 * MiB  # the CPU budget
-    gpu_memory_utilization: float = 0.9  # the GPU budget: share of device memory for weights + activations + KV
-    num_blocks: int | None = None  # overrides either budget
-    cpu_swap_bytes: int = 0  # the CPU swap pool
-    max_model_len: int | None = None  # default: the model's
-    max_num_batched_tokens: int = 2048  # the largest step, profiled on a GPU
-    num_threads: int | None = None  # torch's CPU threads; None: torch's default
-
-    @staticmethod
-    def from_args(args: argparse.Namespace) -> ExecutorConfig:
-        return ExecutorConfig(
-            model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-            kv_cache_bytes=args.kv_cache_mib * MiB, gpu_memory_utilization=args.gpu_memory_utilization,
-            num_blocks=args.num_blocks, cpu_swap_bytes=args.cpu_swap_mib * MiB, max_model_len=args.max_model_len,
-            num_threads=args.threads,
-        )
-
-
-def add_executor_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m", help="a registered name, an HF directory or a .gguf file")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: float32 on CPU, bfloat16 on GPU")
-    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
-    parser.add_argument("--kv-cache-mib", type=int, default=512, help="CPU KV budget in MiB")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU memory share to use")
-    parser.add_argument("--num-blocks", type=int, help="exact number of KV blocks (overrides the budget)")
-    parser.add_argument("--cpu-swap-mib", type=int, default=0, help="CPU swap pool in MiB")
-    parser.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
-    # In a pod the executor shares the CPU with the frontend and block manager; an OpenMP team that
-    # expects every core stalls at each barrier when one of its threads is descheduled (seen here: 10x).
-    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                        help="torch CPU threads (default: all cores but one)")
+assert sorted(DTYPES) == sorted(DTYPE_NAMES), "options.DTYPE_NAMES and the torch dtypes disagree"
 
 
 def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:

@@ -16,7 +16,8 @@ from ...protos import executor_pb2 as pb
 from ...protos import executor_pb2_grpc as pb_grpc
 from ..common.errors import NotReady
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
-from .engine_config import ExecutorConfig, add_executor_arguments, build_runner
+from .engine_config import build_runner
+from .options import ExecutorConfig, add_executor_arguments
 from .runner import ModelRunner
 from .step_types import SamplingParams, SequenceInput, StepInput
 

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..block_manager.manager import BlockManager
-from ..executor.engine_config import ExecutorConfig, build_runner
+from ..executor.engine_config import build_runner
 from ..executor.model.registry import resolve_model
 from ..executor.model.tokenizer import load_tokenizer, render_chat
+from ..executor.options import ExecutorConfig
 from .engine import Engine, EngineLimits, ModelIdentity
 from .ports import LocalBlockManager, LocalExecutor
 from .request import FinishReason, GenerationParams, Request

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..executor.engine_config import DTYPES
+from ..executor.options import DTYPE_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=1, help="samples per prompt")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt and line")
-    parser.add_argument("--dtype", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", choices=DTYPE_NAMES)
     parser.add_argument("--device")
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--num-blocks", type=int)

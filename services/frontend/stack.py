@@ -23,7 +23,7 @@ from ...protos import inference_pb2 as pb
 from ...protos import inference_pb2_grpc as pb_grpc
 from ..common.processes import ServiceProcess, start_service, stop_service
 from ..executor.client import RemoteExecutor
-from ..executor.engine_config import add_executor_arguments
+from ..executor.options import add_executor_arguments
 
 FRONTEND_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "preemption_mode", "ttft_slo_ms",
                   "tpot_slo_ms")

@@ -9,7 +9,8 @@ import pytest
 from tiny_model import EOS, VOCAB
 
 from pagedserve.services.block_manager.manager import BlockManager
-from pagedserve.services.executor.engine_config import ExecutorConfig, build_runner
+from pagedserve.services.executor.engine_config import build_runner
+from pagedserve.services.executor.options import ExecutorConfig
 from pagedserve.services.frontend.engine import Engine, EngineLimits, ModelIdentity
 from pagedserve.services.frontend.ports import LocalBlockManager, LocalExecutor
 from pagedserve.services.frontend.scheduler import Scheduler, SchedulerConfig

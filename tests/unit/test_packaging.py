@@ -61,6 +61,13 @@ CONTAINER_STARTS = {
         "import pagedserve.services.block_manager.server\n"
     ),
     "executor": "import pagedserve.services.executor.server\n",
+    # not a container: the supervisor of `pagedserve serve`, which only starts the three processes
+    "serve": (
+        "from pagedserve.cli import build_parser\n"
+        "argv = ['serve', '--num-blocks', '64']\n"
+        "build_parser(argv).parse_args(argv)\n"
+        "import pagedserve.services.frontend.stack\n"
+    ),
 }
 
 
@@ -72,7 +79,7 @@ def loads_torch(component: str) -> bool:
     return out.stdout.strip().splitlines()[-1] == "True"
 
 
-@pytest.mark.parametrize("component", ["frontend", "block-manager"])
+@pytest.mark.parametrize("component", ["frontend", "block-manager", "serve"])
 def test_only_the_executor_container_loads_torch(component: str) -> None:
     assert not loads_torch(component), f"the {component} imported torch"
 
