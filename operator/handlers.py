@@ -62,7 +62,7 @@ def desired_replicas(spec: Mapping[str, Any], status: Mapping[str, Any]) -> int:
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # kopf's own bookkeeping goes to annotations: our status schema is structural and would prune it
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -71,13 +71,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # watching named namespaces needs no cluster-wide look at namespaces and CRDs (nor the rights for it)
     settings.scanning.disabled = not memo.config.all_namespaces
     memo.kube = Kube()
+    memo.grpc_probes = await memo.kube.has_grpc_probes()
 
 
-async def apply_model(body: kopf.Body, kube: Kube, replicas: int) -> Obj:
+async def apply_model(body: kopf.Body, memo: kopf.Memo, replicas: int) -> Obj:
     name, namespace, uid = body.metadata.name, body.metadata.namespace, body.metadata.uid
     assert name and namespace and uid, "a PagedModel without name, namespace or uid: not from the API server"
-    await kube.apply(build_service(name, namespace, uid))
-    return await kube.apply(build_deployment(name, namespace, uid, body.spec, replicas))
+    await memo.kube.apply(build_service(name, namespace, uid))
+    return await memo.kube.apply(build_deployment(name, namespace, uid, body.spec, replicas, memo.grpc_probes))
 
 
 @kopf.on.create(*MODELS)
@@ -85,13 +86,13 @@ async def apply_model(body: kopf.Body, kube: Kube, replicas: int) -> Obj:
 @kopf.on.resume(*MODELS)
 async def reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A spec change (or `kubectl scale`) is applied at once, not at the next pass of the loop."""
-    await apply_model(body, memo.kube, desired_replicas(body.spec, body.status))
+    await apply_model(body, memo, desired_replicas(body.spec, body.status))
 
 
 @kopf.daemon(*MODELS, cancellation_timeout=10.0)
 async def autoscale(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: Logger, **_: Any) -> None:
     """One loop per PagedModel for as long as it exists: scrape, decide, apply, report."""
-    loop = ModelLoop(body, memo.kube, memo.config, logger)
+    loop = ModelLoop(body, memo, logger)
     while not stopped:
         try:
             await loop.run_once()
@@ -104,8 +105,10 @@ class ModelLoop:
     """The state one model's loop keeps between passes: the window of observations and each pod's last
     answer. The decisions that must survive a restart (desired size, last scale time) live in the status."""
 
-    def __init__(self, body: kopf.Body, kube: Kube, config: OperatorConfig, logger: Logger) -> None:
-        self.body, self.kube, self.config, self.logger = body, kube, config, logger
+    def __init__(self, body: kopf.Body, memo: kopf.Memo, logger: Logger) -> None:
+        self.body, self.memo, self.logger = body, memo, logger
+        self.kube: Kube = memo.kube
+        self.config: OperatorConfig = memo.config
         self.window: deque[Observation] = deque()
         self.last_seen: dict[str, tuple[float, PodMetrics]] = {}
         self.desired = desired_replicas(body.spec, body.status)
@@ -126,7 +129,7 @@ class ModelLoop:
             decision = await self.decide(namespace, auto, observation)
             if decision.replicas != self.desired:
                 self.scaled(decision, status)
-        deployment = await apply_model(self.body, self.kube, self.desired)
+        deployment = await apply_model(self.body, self.memo, self.desired)
         await self.report(namespace, name, deployment, observation, decision, auto is not None, status)
 
     async def observe(self, namespace: str, name: str) -> Observation:

@@ -58,6 +58,12 @@ class Kube:
                 raise
             return await self._call(call)
 
+    async def has_grpc_probes(self) -> bool:
+        """gRPC container probes are on by default from Kubernetes 1.24 (beta; GA in 1.27)."""
+        version = await self._call(kubernetes.client.VersionApi(self.client).get_code)
+        major, minor = (int("".join(c for c in version[key] if c.isdigit()) or 0) for key in ("major", "minor"))
+        return (major, minor) >= (1, 24)
+
     async def deployment(self, namespace: str, name: str) -> Obj | None:
         try:
             return await self._call(self.apps.read_namespaced_deployment, name, namespace)

@@ -64,9 +64,11 @@ def build_service(name: str, namespace: str, uid: str) -> Manifest:
     }
 
 
-def build_deployment(name: str, namespace: str, uid: str, spec: Mapping[str, Any], replicas: int) -> Manifest:
-    """The model's Deployment at `replicas` pods (the autoscaler's or the user's number, see handlers)."""
-    template = build_pod_template(name, spec)
+def build_deployment(name: str, namespace: str, uid: str, spec: Mapping[str, Any], replicas: int,
+                     grpc_probes: bool = False) -> Manifest:
+    """The model's Deployment at `replicas` pods (the autoscaler's or the user's number, see handlers).
+    `grpc_probes`: the cluster has gRPC probes (1.24+), used for the frontend's readiness."""
+    template = build_pod_template(name, spec, grpc_probes)
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(name, namespace, uid),
         "spec": {
@@ -79,7 +81,7 @@ def build_deployment(name: str, namespace: str, uid: str, spec: Mapping[str, Any
     }
 
 
-def build_pod_template(name: str, spec: Mapping[str, Any]) -> Manifest:
+def build_pod_template(name: str, spec: Mapping[str, Any], grpc_probes: bool = False) -> Manifest:
     model_volume = spec.get("modelVolume")
     volumes: list[Manifest] = [{"name": "run", "emptyDir": {}}, {"name": "scratch", "emptyDir": {}}]
     mounts: list[Manifest] = [{"name": "run", "mountPath": RUN_DIR}, {"name": "scratch", "mountPath": SCRATCH_DIR}]
@@ -92,7 +94,7 @@ def build_pod_template(name: str, spec: Mapping[str, Any]) -> Manifest:
         volumes.append({"name": "model", **source})
         model_mounts = [{"name": "model", "mountPath": model_volume.get("mountPath", "/models"), "readOnly": True}]
     containers = [_executor(spec, mounts + model_mounts), _block_manager(spec, mounts),
-                  _frontend(spec, mounts + model_mounts)]
+                  _frontend(spec, mounts + model_mounts, grpc_probes)]
     pod_spec: Manifest = {
         "containers": containers,
         "volumes": volumes,
@@ -177,7 +179,7 @@ def _block_manager(spec: Mapping[str, Any], mounts: list[Manifest]) -> Manifest:
             **_health_probes(BLOCK_MANAGER_SOCKET, MODEL_LOAD_TIMEOUT_S)}
 
 
-def _frontend(spec: Mapping[str, Any], mounts: list[Manifest]) -> Manifest:
+def _frontend(spec: Mapping[str, Any], mounts: list[Manifest], grpc_probes: bool) -> Manifest:
     scheduler, slo = spec.get("scheduler", {}), spec.get("slo", {})
     args = ["frontend", "--listen", f"0.0.0.0:{GRPC_PORT}", "--metrics-listen", f"0.0.0.0:{METRICS_PORT}",
             "--executor", EXECUTOR_SOCKET, "--block-manager", BLOCK_MANAGER_SOCKET,
@@ -189,6 +191,9 @@ def _frontend(spec: Mapping[str, Any], mounts: list[Manifest]) -> Manifest:
             "--ttft-slo-ms", str(slo.get("ttftMs", 2000)), "--tpot-slo-ms", str(slo.get("tpotMs", 200))]
     resources = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
     http = {"port": "metrics", "scheme": "HTTP"}
+    # the gRPC health service says NOT_SERVING until the engine runs, as /readyz does; the sidecars listen
+    # on unix sockets, which gRPC probes cannot reach: they keep their exec probes
+    ready = {"grpc": {"port": GRPC_PORT}} if grpc_probes else {"httpGet": {**http, "path": "/readyz"}}
     return {
         **_container("frontend", args, spec, mounts, resources),
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
@@ -196,6 +201,6 @@ def _frontend(spec: Mapping[str, Any], mounts: list[Manifest]) -> Manifest:
         # ready once the engine runs over both sidecars; alive while its engine thread is
         "startupProbe": {"httpGet": {**http, "path": "/healthz"}, "periodSeconds": 2,
                          "failureThreshold": MODEL_LOAD_TIMEOUT_S // 2},
-        "readinessProbe": {"httpGet": {**http, "path": "/readyz"}, "periodSeconds": 5, "failureThreshold": 2},
+        "readinessProbe": {**ready, "periodSeconds": 5, "failureThreshold": 2},
         "livenessProbe": {"httpGet": {**http, "path": "/healthz"}, "periodSeconds": 20, "failureThreshold": 3},
     }

@@ -114,6 +114,11 @@ def test_probes_check_each_container_where_it_listens() -> None:
     ports = {p["name"]: p["containerPort"] for p in pods["frontend"]["ports"]}
     assert pods["frontend"]["readinessProbe"]["httpGet"] == {"port": "metrics", "scheme": "HTTP", "path": "/readyz"}
     assert pods["frontend"]["livenessProbe"]["httpGet"]["path"] == "/healthz" and "metrics" in ports
+    grpc = build_deployment("llm", "ns", "u", SPEC, 1, grpc_probes=True)["spec"]["template"]["spec"]["containers"]
+    frontend = next(c for c in grpc if c["name"] == "frontend")
+    assert frontend["readinessProbe"]["grpc"] == {"port": 50051} and "httpGet" not in frontend["readinessProbe"]
+    assert frontend["livenessProbe"]["httpGet"]["path"] == "/healthz"  # the engine thread: not in gRPC health
+    assert all("exec" in c["readinessProbe"] for c in grpc if c["name"] != "frontend")  # unix sockets
     service = build_service("llm", "ns", "uid-1")
     assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports.keys()
 
