@@ -56,11 +56,10 @@ class ServingCollector(Collector):
         yield preemptions
         yield CounterMetricFamily("pagedserve_requests_finished", "requests finished",
                                   value=window["num_requests_finished"])
-        yield gauge("finished_requests_per_second", f"requests finished, over {window['window_s']:g} s",
-                    window["finished_rps"])
         yield CounterMetricFamily("pagedserve_requests_refused", "requests refused because the waiting queue was full",
                                   value=status["num_refused"])
         seconds = window["window_s"]
+        yield gauge("finished_requests_per_second", f"requests finished, over {seconds:g} s", window["finished_rps"])
         yield gauge("goodput_requests_per_second", f"finished requests meeting both SLOs, over {seconds:g} s",
                     window["goodput_rps"])
         yield gauge("generation_tokens_per_second", f"tokens generated, over {seconds:g} s",

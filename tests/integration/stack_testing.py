@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import grpc
+from polling import free_port
 
 from pagedserve.protos import inference_pb2 as pb
 from pagedserve.protos import inference_pb2_grpc as pb_grpc
@@ -19,21 +18,6 @@ from pagedserve.services.common.processes import wait_serving
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "def fibonacci(n):",
            "List three colors:", "The quick brown fox jumps over the lazy dog. " * 3]
-
-
-def wait_for(condition: Any, what: str, timeout: float = 30.0) -> Any:
-    """Polls `condition()` until it is truthy and returns its value; fails naming `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.05)
-    return value
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Pod:

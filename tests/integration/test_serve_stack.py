@@ -16,7 +16,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from stack_testing import PROMPTS, Pod, free_port, wait_for
+from polling import free_port, wait_for
+from stack_testing import PROMPTS, Pod
 
 from pagedserve.operator.scrape import parse_pod_metrics
 from pagedserve.protos import inference_pb2 as pb

@@ -15,7 +15,8 @@ from typing import Any
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from stack_testing import PROMPTS, Pod, wait_for
+from polling import wait_for
+from stack_testing import PROMPTS, Pod
 
 from pagedserve.protos import inference_pb2 as pb
 

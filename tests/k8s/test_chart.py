@@ -6,14 +6,14 @@ model's pods as real processes; `helm upgrade` and `helm uninstall` (nothing lef
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import polling
 import pytest
 import yaml
 
@@ -69,12 +69,8 @@ def render(tmp_path: Path, values: Obj, *extra: str) -> list[Obj]:
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"never happened within {timeout:.0f} s: {what}"
-        time.sleep(0.5)
-    return value
+# every poll runs kubectl or helm: twice a second is enough
+wait_for = functools.partial(polling.wait_for, timeout=60.0, poll_s=0.5)
 
 
 @pytest.fixture(scope="module")

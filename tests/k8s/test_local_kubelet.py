@@ -7,17 +7,19 @@ per module and the tests below act on it in order: serve, SIGKILL, liveness, del
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import kubernetes
+import polling
 import pytest
 from kubernetes.client.exceptions import ApiException
 from local_kubelet import as_dict, expand, rewriter
@@ -25,17 +27,10 @@ from local_kubelet import as_dict, expand, rewriter
 if TYPE_CHECKING:  # fixtures' types; conftest is not imported at run time (several conftest modules exist)
     from conftest import Cluster, Kubelet
 
-T = TypeVar("T")
 Obj = dict[str, Any]
 
 
-def wait_for(condition: Callable[[], T | None], what: str, timeout: float = 20.0) -> T:
-    """Polls `condition()` until it is truthy and returns its value; fails naming `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.1)
-    return value
+wait_for = functools.partial(polling.wait_for, timeout=20.0)
 
 
 def alive(pid: int) -> bool:

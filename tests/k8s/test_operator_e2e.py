@@ -10,21 +10,23 @@ scaling, deletion. Traffic goes to the pods' loopback addresses only.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import polling
 import pytest
+from polling import free_port
 
 from pagedserve.protos import inference_pb2 as pb
 from pagedserve.protos import inference_pb2_grpc as pb_grpc
@@ -39,18 +41,8 @@ POLICY = {"targetBlockPressure": 0.5, "metricsWindowSeconds": 4, "tolerance": 0.
           "scaleDown": {"maxPercent": 50, "stabilizationWindowSeconds": 4}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"never happened within {timeout:.0f} s: {what}"
-        time.sleep(0.2)
-    return value
+# every poll runs kubectl: a few times a second is enough
+wait_for = functools.partial(polling.wait_for, timeout=60.0, poll_s=0.2)
 
 
 class Scenario:
@@ -243,19 +235,6 @@ def test_a_paged_model_creates_its_deployment_and_service_and_serves(scenario: S
     assert table.split("\n")[0].split() == ["NAME", "REPLICAS", "READY", "PRESSURE", "GOODPUT", "ATTAINMENT", "AGE"]
 
 
-def frontend_pid(pod: dict[str, Any]) -> int:
-    """The frontend process the test kubelet runs for `pod` (its listen address carries the pod IP)."""
-    listen = f"{pod['status']['podIP']}:50051"
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if b"frontend" in argv and listen.encode() in argv:
-            return int(entry.name)
-    raise AssertionError(f"no frontend process listens on {listen}")
-
-
 def patch_policy(scenario: Scenario, **scale_down: int) -> None:
     scenario.kubectl("patch", "asp", "fast", "--type=merge", "-p", json.dumps({"spec": {"scaleDown": scale_down}}))
 
@@ -277,7 +256,7 @@ def test_load_scales_up_a_policy_edit_missing_metrics_and_idleness_scale_down(sc
     assert scenario.status()["desiredReplicas"] == 2 and not scenario.events("ScaledDown"), scenario.diagnostics()
 
     # a pod whose /metrics cannot be read holds the size, although the short window would now scale down
-    frozen = frontend_pid(scenario.ready_pods()[1])
+    frozen = scenario.kubelet.pid(scenario.namespace, scenario.ready_pods()[1]["metadata"]["name"], "frontend")
     os.kill(frozen, signal.SIGSTOP)
     try:
         patch_policy(scenario, stabilizationWindowSeconds=2)

@@ -1,5 +1,6 @@
 """A plain (non-editable) build ships every top-level folder as a subpackage of `pagedserve`, nothing else."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -28,20 +29,6 @@ def test_wheel_maps_top_level_folders_under_pagedserve(tmp_path: Path) -> None:
     assert not any(name.startswith("pagedserve/tests/") for name in names)
 
 
-def test_the_operator_needs_no_model_stack() -> None:
-    """`pagedserve operator` runs in a small pod: it must not import torch (or the executor) at all."""
-    code = ("import sys; from pagedserve.cli import build_parser; "
-            "build_parser(['operator', '--namespace', 'x']).parse_args(['operator', '--namespace', 'x']); "
-            "import pagedserve.operator.handlers; print(sorted(m for m in ('torch', 'transformers', "
-            "'pagedserve.services.executor') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
-                         env={**os.environ, "PYTHONSAFEPATH": "1"})
-    assert out.stdout.strip() == "[]", out.stdout
-    refused = subprocess.run([sys.executable, "-m", "pagedserve", "operator"], capture_output=True, text=True,
-                             timeout=120, env={**os.environ, "PYTHONSAFEPATH": "1"})
-    assert refused.returncode != 0 and "--namespace NS (repeatable) or --all-namespaces" in refused.stderr
-
-
 # One pod image runs all three containers, but only the executor's may load torch (~300 MB of RSS).
 # Each component runs what its container runs at start, short of serving: its CLI, and for the frontend
 # the tokenizer of the default model (transformers' AutoTokenizer and GGUF reader import torch).
@@ -61,6 +48,12 @@ CONTAINER_STARTS = {
         "import pagedserve.services.block_manager.server\n"
     ),
     "executor": "import pagedserve.services.executor.server\n",
+    "operator": (
+        "from pagedserve.cli import build_parser\n"
+        "argv = ['operator', '--namespace', 'x']\n"
+        "build_parser(argv).parse_args(argv)\n"
+        "import pagedserve.operator.handlers\n"
+    ),
     # not a container: the supervisor of `pagedserve serve`, which only starts the three processes
     "serve": (
         "from pagedserve.cli import build_parser\n"
@@ -71,18 +64,27 @@ CONTAINER_STARTS = {
 }
 
 
-def loads_torch(component: str) -> bool:
-    """In a fresh interpreter, so that one component's import of torch cannot hide another's."""
-    code = CONTAINER_STARTS[component] + "import sys; print('torch' in sys.modules)"
+def loaded(component: str, modules: tuple[str, ...] = ("torch",)) -> list[str]:
+    """Which of `modules` the component imports, in a fresh interpreter (one component's import of torch
+    cannot hide another's)."""
+    code = CONTAINER_STARTS[component] + f"import sys; print([m for m in {modules!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
                          env={**os.environ, "PYTHONSAFEPATH": "1"})
-    return out.stdout.strip().splitlines()[-1] == "True"
+    return list(ast.literal_eval(out.stdout.strip().splitlines()[-1]))
 
 
 @pytest.mark.parametrize("component", ["frontend", "block-manager", "serve"])
 def test_only_the_executor_container_loads_torch(component: str) -> None:
-    assert not loads_torch(component), f"the {component} imported torch"
+    assert not loaded(component), f"the {component} imported torch"
 
 
 def test_the_executor_loads_torch() -> None:
-    assert loads_torch("executor")  # else the check above proves nothing
+    assert loaded("executor") == ["torch"]  # else the check above proves nothing
+
+
+def test_the_operator_needs_no_model_stack() -> None:
+    """`pagedserve operator` runs in a small pod: it must not import torch (or the executor) at all."""
+    assert loaded("operator", ("torch", "transformers", "pagedserve.services.executor")) == []
+    refused = subprocess.run([sys.executable, "-m", "pagedserve", "operator"], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert refused.returncode != 0 and "--namespace NS (repeatable) or --all-namespaces" in refused.stderr
