@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 import kubernetes
 import polling
 import pytest
+from kubelet_container import expand, rewriter
 from kubernetes.client.exceptions import ApiException
-from local_kubelet import as_dict, expand, rewriter
+from local_kubelet import as_dict
 
 if TYPE_CHECKING:  # fixtures' types; conftest is not imported at run time (several conftest modules exist)
     from conftest import Cluster, Kubelet
