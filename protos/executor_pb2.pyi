@@ -74,7 +74,9 @@ class SequenceStep(_message.Message):
     """a next token is wanted (last prefill chunk, or a decode)"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """tokens whose KV is computed this step (a prefill chunk or one token)"""
+        """Tokens whose KV is computed this step (a prefill chunk or one token). [-1]: the token this executor
+        sampled for this sequence in the previous step (step_id - 1), which the frontend does not know yet.
+        """
 
     @_builtins.property
     def block_table(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -135,6 +137,11 @@ class ExecuteRequest(_message.Message):
     SWAP_OUT_FIELD_NUMBER: _builtins.int
     SWAP_IN_FIELD_NUMBER: _builtins.int
     COPIES_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    step_id: _builtins.int
+    """Overlapped steps are numbered 1, 2, ... by the frontend, which sends step N+1 before step N has
+    answered; a step that uses last-sampled tokens runs only after step_id - 1 (0: unnumbered).
+    """
     @_builtins.property
     def sequences(self) -> _containers.RepeatedCompositeFieldContainer[Global___SequenceStep]: ...
     @_builtins.property
@@ -156,10 +163,11 @@ class ExecuteRequest(_message.Message):
         swap_out: _abc.Iterable[Global___BlockCopy] | None = ...,
         swap_in: _abc.Iterable[Global___BlockCopy] | None = ...,
         copies: _abc.Iterable[Global___BlockCopy] | None = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copies", b"copies", "sequences", b"sequences", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copies", b"copies", "sequences", b"sequences", "step_id", b"step_id", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

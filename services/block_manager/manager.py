@@ -64,6 +64,8 @@ class SwapResult(NamedTuple):
     deltas: list[BlockTableDelta]
 
 
+NO_TOKEN = -1  # decode: the new slot is for the token the step in flight samples (overlapped steps)
+
 REFUSED_RESERVATION = Reservation(False, [], [], None)
 REFUSED_ADMISSION = Admission(False, 0, 0, [], None)
 REFUSED_SWAP = SwapResult(False, [], [])
@@ -73,9 +75,9 @@ REFUSED_SWAP = SwapResult(False, [], [])
 class SequenceState:
     seq_id: int
     namespace: bytes
-    token_ids: list[int]
+    token_ids: list[int]  # known tokens; with overlap, the last slot's token may be unknown yet (see decode)
     block_table: list[KVBlock] = field(default_factory=list)
-    num_slots: int = 0  # tokens with a reserved slot (KV stored or about to be)
+    num_slots: int = 0  # tokens with a reserved slot (KV stored or about to be): <= len(token_ids) + 1
     num_computed: int = 0  # tokens whose KV the executor has stored
     block_hashes: list[bytes] = field(default_factory=list)  # keys of the full computed blocks
     cpu_table: list[int] | None = None  # cpu block ids while swapped out
@@ -220,7 +222,10 @@ class BlockManager:
         return self._grow(seq, num_tokens)
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> DecodeResult:
-        """The fast path of a decode step: per sequence, commit(num_slots) then reserve(1, [token]).
+        """The fast path of a decode step: per sequence, commit(num_slots), append the token unless it is
+        NO_TOKEN, then reserve one slot. With overlapped steps the new slot's token is the one the step in
+        flight samples, told by the next decode: a sequence holds at most one slot whose token is unknown
+        (NO_TOKEN is valid only when it holds none), and only blocks whose tokens are all known are hashed.
         The commit always applies; a sequence whose reservation is refused is listed and unchanged.
         Written out inline (no per-sequence result objects): it runs for every running sequence every step."""
         if len(seq_ids) != len(token_ids):
@@ -238,7 +243,7 @@ class BlockManager:
             num_slots, table = seq.num_slots, seq.block_table
             if seq.num_computed != num_slots:
                 seq.num_computed = num_slots
-                if num_slots // bs > len(seq.block_hashes):
+                if min(num_slots, len(seq.token_ids)) // bs > len(seq.block_hashes):
                     self._register_full_blocks(seq)
             offset = num_slots % bs
             if offset == 0 or table[-1].ref_count > 1:  # a new tail block, or a copy of a shared one
@@ -256,7 +261,10 @@ class BlockManager:
                 result.deltas.append(BlockTableDelta(seq_id, len(table) - 1, (block.block_id,)))
             else:
                 block = table[-1]
-            seq.token_ids.append(token)
+            if token != NO_TOKEN:
+                seq.token_ids.append(token)
+                if len(seq.block_hashes) < min(num_slots, len(seq.token_ids)) // bs:
+                    self._register_full_blocks(seq)  # the late token completed a computed block
             seq.num_slots = num_slots + 1
             if offset + 1 > block.num_filled:
                 pool.fill(block, offset + 1)
@@ -417,7 +425,7 @@ class BlockManager:
             for block, key in zip(seq.block_table, seq.block_hashes, strict=False):
                 self.pool.register(block, key)
             return
-        for i in range(len(seq.block_hashes), seq.num_computed // bs):
+        for i in range(len(seq.block_hashes), min(seq.num_computed, len(seq.token_ids)) // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else seq.namespace
             key = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
             self.pool.register(seq.block_table[i], key)

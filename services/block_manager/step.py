@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..common.errors import InvalidRequest
-from .manager import BlockCopy, BlockManager, BlockTableDelta
+from .manager import NO_TOKEN, BlockCopy, BlockManager, BlockTableDelta
 from .stats import BlockStats
 
 MIN_NAMESPACE_BYTES, MAX_NAMESPACE_BYTES = 8, 64
@@ -135,6 +135,15 @@ class _Validator:
             self.existing(seq_id, where)  # raises the precise error
         self.decoded_once.add(seq_id)
 
+    def check_unknown_slot_is_free(self, seq_id: int, where: str) -> None:
+        """A decode without a token reserves a slot for a token told later: a sequence holds one at most."""
+        shadow = self.shadows.get(seq_id)
+        num_slots, num_known = (shadow.num_slots, shadow.num_known) if shadow else (
+            self.manager.seqs[seq_id].num_slots, len(self.manager.seqs[seq_id].token_ids))
+        if num_slots > num_known:
+            raise InvalidStep(f"{where}: sequence {seq_id} already holds a slot for a token not told yet;"
+                              f" this decode must tell it (NO_TOKEN is {NO_TOKEN})")
+
     def existing(self, seq_id: int, where: str, resident: bool | None = True) -> _Shadow:
         shadow = self.shadow(seq_id)
         if shadow is None:
@@ -204,9 +213,11 @@ class _Validator:
                         f"{at}.decode: seq_ids must be distinct and match token_ids one to one"
                         f" ({len(op.seq_ids)} seq_ids, {len(op.token_ids)} token_ids)"
                     )
-                _check_token_ids(op.token_ids, f"{at}.decode.token_ids")
-                for seq_id in op.seq_ids:
+                _check_token_ids([t for t in op.token_ids if t != NO_TOKEN], f"{at}.decode.token_ids")
+                for seq_id, token in zip(op.seq_ids, op.token_ids, strict=True):
                     self.decode(seq_id, f"{at}.decode.seq_ids")
+                    if token == NO_TOKEN:
+                        self.check_unknown_slot_is_free(seq_id, f"{at}.decode.token_ids")
             case SwapOutOp() | SwapInOp():
                 name = "swap_out" if isinstance(op, SwapOutOp) else "swap_in"
                 if not op.seq_ids or len(set(op.seq_ids)) != len(op.seq_ids):

@@ -16,6 +16,7 @@ def step_to_proto(step: StepInput) -> pb.ExecuteRequest:
         swap_out=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_out],
         swap_in=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_in],
         copies=[pb.BlockCopy(src=s, dst=d) for s, d in step.copies],
+        step_id=step.step_id,
     )
     for seq in step.sequences:
         out = request.sequences.add(seq_id=seq.seq_id, token_ids=seq.token_ids, start_position=seq.start_position,
@@ -28,6 +29,21 @@ def step_to_proto(step: StepInput) -> pb.ExecuteRequest:
     return request
 
 
+def tokens_from_proto(response: pb.ExecuteResponse) -> list[SampledToken]:
+    return [SampledToken(t.seq_id, t.token_id, t.logprob, list(t.top_token_ids), list(t.top_logprobs))
+            for t in response.tokens]
+
+
+class RunningStep:
+    """A step sent to the executor, not answered yet."""
+
+    def __init__(self, future: grpc.Future) -> None:
+        self.future = future
+
+    def result(self) -> list[SampledToken]:
+        return tokens_from_proto(self.future.result())
+
+
 class RemoteExecutor:
     def __init__(self, address: str, timeout: float = 600.0) -> None:
         self.channel = traced_channel(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
@@ -35,9 +51,11 @@ class RemoteExecutor:
         self.timeout = timeout
 
     def execute(self, step: StepInput) -> list[SampledToken]:
-        response = self.stub.Execute(step_to_proto(step), timeout=self.timeout)
-        return [SampledToken(t.seq_id, t.token_id, t.logprob, list(t.top_token_ids), list(t.top_logprobs))
-                for t in response.tokens]
+        return tokens_from_proto(self.stub.Execute(step_to_proto(step), timeout=self.timeout))
+
+    def submit(self, step: StepInput) -> RunningStep:
+        """Sends the step and returns at once: overlapped steps queue behind the one running."""
+        return RunningStep(self.stub.Execute.future(step_to_proto(step), timeout=self.timeout))
 
     def info(self) -> ExecutorInfo:
         i = self.stub.Info(pb.InfoRequest(), timeout=self.timeout)

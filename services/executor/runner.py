@@ -17,7 +17,7 @@ from .attention import build_attention_metadata
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .sampling import sample
-from .step_types import MAX_TOP_LOGPROBS, SampledToken, StepInput
+from .step_types import LAST_SAMPLED, MAX_TOP_LOGPROBS, SampledToken, StepInput
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -57,6 +57,9 @@ class ModelRunner:
              torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin))
             for _ in range(config.num_layers)
         ]
+        # Overlapped steps: the tokens the last step sampled, the next step's inputs where it says LAST_SAMPLED.
+        self.last_step_id = 0
+        self.last_sampled: dict[int, int] = {}
 
     def validate(self, step: StepInput) -> None:
         """Raises InvalidRequest naming the field; nothing has changed when it does."""
@@ -69,7 +72,11 @@ class ModelRunner:
             seen.add(seq.seq_id)
             if not seq.token_ids:
                 raise InvalidRequest(f"{at}.token_ids: must not be empty")
-            bad = next((t for t in seq.token_ids if not 0 <= t < vocab), None)
+            known_tokens = seq.token_ids
+            if LAST_SAMPLED in seq.token_ids:
+                self._check_last_sampled(step.step_id, seq.seq_id, seq.token_ids, f"{at}.token_ids")
+                known_tokens = []
+            bad = next((t for t in known_tokens if not 0 <= t < vocab), None)
             if bad is not None:
                 raise InvalidRequest(f"{at}.token_ids: token id {bad} outside the vocabulary [0, {vocab})")
             end = seq.start_position + len(seq.token_ids)
@@ -103,9 +110,19 @@ class ModelRunner:
                 if not (0 <= src < src_limit and 0 <= dst < dst_limit):
                     raise InvalidRequest(f"{name}[{j}]: block ({src} -> {dst}) outside the cache")
 
+    def _check_last_sampled(self, step_id: int, seq_id: int, token_ids: Sequence[int], where: str) -> None:
+        if len(token_ids) != 1:
+            raise InvalidRequest(f"{where}: LAST_SAMPLED ({LAST_SAMPLED}) stands alone, as a decode's one token")
+        if step_id == 0 or step_id != self.last_step_id + 1:
+            raise InvalidRequest(f"{where}: step {step_id} asks for the tokens step {step_id - 1} sampled, but the"
+                                 f" last step run was {self.last_step_id}")
+        if seq_id not in self.last_sampled:
+            raise InvalidRequest(f"{where}: step {self.last_step_id} sampled no token for sequence {seq_id}")
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> list[SampledToken]:
         self.validate(step)
+        last_sampled, self.last_sampled, self.last_step_id = self.last_sampled, {}, step.step_id
         self._move_blocks(step)
         if not step.sequences:
             return []
@@ -117,7 +134,7 @@ class ModelRunner:
         slots: list[int] = []
         last_token_index: list[int] = []
         for seq in seqs:
-            input_ids.extend(seq.token_ids)
+            input_ids.extend(seq.token_ids if seq.token_ids[0] != LAST_SAMPLED else [last_sampled[seq.seq_id]])
             positions.extend(range(seq.start_position, seq.start_position + len(seq.token_ids)))
             slots.extend(seq.slot_mapping)
             last_token_index.append(len(input_ids) - 1)
@@ -144,6 +161,7 @@ class ModelRunner:
             [seqs[i].seq_id for i in wanted],
         )
         by_id = {t.seq_id: t for t in sampled}
+        self.last_sampled = {t.seq_id: t.token_id for t in sampled}
         return [by_id[s.seq_id] for s in step.sequences if s.sampling is not None]
 
     def _move_blocks(self, step: StepInput) -> None:

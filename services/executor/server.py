@@ -19,7 +19,7 @@ from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from .engine_config import build_runner
 from .options import ExecutorConfig, add_executor_arguments
 from .runner import ModelRunner
-from .step_types import SamplingParams, SequenceInput, StepInput
+from .step_types import LAST_SAMPLED, SamplingParams, SequenceInput, StepInput
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 
@@ -43,6 +43,7 @@ def step_from_proto(request: pb.ExecuteRequest) -> StepInput:
         swap_out=[(c.src, c.dst) for c in request.swap_out],
         swap_in=[(c.src, c.dst) for c in request.swap_in],
         copies=[(c.src, c.dst) for c in request.copies],
+        step_id=request.step_id,
     )
 
 
@@ -52,6 +53,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.runner: ModelRunner | None = None
         self.info: pb.InfoResponse | None = None
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
+        self.last_step_id = 0  # of the last numbered step that ended (ran or failed)
+        self.num_outstanding = 0  # steps handed to the step thread, not ended
+        self.step_ended = asyncio.Condition()
 
     async def load(self) -> None:
         """Loads the model and runs the warm-up step on the step thread, off the event loop."""
@@ -65,7 +69,19 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         if runner is None:
             raise NotReady("the model is still loading")
         step = step_from_proto(request)
-        tokens = await asyncio.get_running_loop().run_in_executor(self.thread, runner.execute, step)
+        if step.step_id and any(seq.token_ids[:1] == [LAST_SAMPLED] for seq in step.sequences):
+            # step N+1 is sent before step N answers: it must not overtake step N while that one is queued
+            async with self.step_ended:
+                await self.step_ended.wait_for(
+                    lambda: self.last_step_id >= step.step_id - 1 or not self.num_outstanding)
+        self.num_outstanding += 1
+        try:
+            tokens = await asyncio.get_running_loop().run_in_executor(self.thread, runner.execute, step)
+        finally:
+            self.num_outstanding -= 1
+            async with self.step_ended:
+                self.last_step_id = step.step_id or self.last_step_id
+                self.step_ended.notify_all()
         return pb.ExecuteResponse(tokens=[
             pb.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob,
                             top_token_ids=t.top_token_ids, top_logprobs=t.top_logprobs)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 MAX_TOP_LOGPROBS = 20
+LAST_SAMPLED = -1  # a decode's input token: the one the executor sampled for this sequence in the previous step
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class SampledToken(NamedTuple):
 @dataclass(frozen=True)
 class SequenceInput:
     seq_id: int
-    token_ids: Sequence[int]  # tokens whose KV is computed this step
+    token_ids: Sequence[int]  # tokens whose KV is computed this step ([LAST_SAMPLED]: not known to the sender)
     start_position: int  # position of token_ids[0]
     block_table: Sequence[int]  # covers positions [0, start_position + len(token_ids))
     slot_mapping: Sequence[int]  # one cache slot per token
@@ -53,6 +54,7 @@ class StepInput:
     swap_out: Sequence[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: Sequence[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     copies: Sequence[tuple[int, int]] = field(default_factory=list)  # (device src, device dst)
+    step_id: int = 0  # overlapped steps: 1, 2, ...; LAST_SAMPLED refers to step_id - 1 (0: unnumbered)
 
 
 @dataclass(frozen=True)

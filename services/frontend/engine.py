@@ -1,18 +1,22 @@
-"""The engine: admission checks, then scheduler and executor in lock step, one step per call.
+"""The engine: admission checks, then the scheduler and the executor, one step per call.
 
+Overlapped (the default): each call plans and sends step N+1, then waits for step N's tokens, so the
+executor always has the next step queued while the frontend does its bookkeeping and the block-manager
+call; tokens reach the caller one step later. Serial (`overlap=False`): plan, run, wait, in lock step.
 It is synchronous: the offline `LLM` calls it in a loop; the server runs it on its own thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from dataclasses import dataclass
 
 from ..block_manager.prefix_hash import cache_namespace
 from ..common.errors import InvalidRequest, OutOfCapacity
-from .ports import ExecutorPort
+from .ports import ExecutorPort, RunningStep
 from .request import GenerationParams, Request, StepOutput
-from .scheduler import Scheduler
+from .scheduler import ScheduledStep, Scheduler
 
 
 @dataclass(frozen=True)
@@ -37,8 +41,11 @@ class EngineLimits:
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, executor: ExecutorPort, limits: EngineLimits, identity: ModelIdentity):
+    def __init__(self, scheduler: Scheduler, executor: ExecutorPort, limits: EngineLimits, identity: ModelIdentity,
+                 overlap: bool = True):
         self.scheduler, self.executor, self.limits, self.identity = scheduler, executor, limits, identity
+        self.overlap = overlap
+        self.in_flight: list[tuple[ScheduledStep, RunningStep]] = []  # sent, not answered: oldest first
 
     def namespace(self, tenant_salt: bytes) -> bytes:
         i = self.identity
@@ -90,20 +97,38 @@ class Engine:
             )
 
     def step(self) -> list[StepOutput]:
-        scheduled = self.scheduler.schedule()
-        if scheduled is None:
-            return []
-        sampled = self.executor.execute(scheduled.step_input)
-        outputs = self.scheduler.update(scheduled, sampled)
-        if not self.scheduler.has_work:
+        """Sends the next step (if there is one); returns the outputs of the oldest step in flight, which with
+        overlap is the one before. On an error, every step in flight is waited for before it propagates."""
+        try:
+            scheduled = self.scheduler.schedule()
+            if scheduled is not None:
+                self.in_flight.append((scheduled, self.executor.submit(scheduled.step_input)))
+            if not self.in_flight or (self.overlap and len(self.in_flight) < 2 and scheduled is not None):
+                return []  # the first step of a burst: nothing has come back yet
+            done, running = self.in_flight.pop(0)
+            outputs = self.scheduler.update(done, running.result())
+        except BaseException:
+            self.drain()
+            raise
+        if not self.has_work:
             self.scheduler.flush()  # the last finished sequences release their blocks now, not next time
         return outputs
+
+    def drain(self) -> None:
+        """Waits for every step in flight and forgets them (after a failure: their results are void)."""
+        in_flight, self.in_flight = self.in_flight, []
+        for _, running in in_flight:
+            with contextlib.suppress(Exception):
+                running.result()
 
     def abort(self, request_id: str) -> StepOutput | None:
         output = self.scheduler.abort(request_id)
         self.scheduler.flush()
+        while self.in_flight and not self.scheduler.has_work:  # only void tokens can come back: collect them
+            done, running = self.in_flight.pop(0)
+            self.scheduler.update(done, running.result())
         return output
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self.in_flight)

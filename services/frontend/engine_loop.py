@@ -170,6 +170,10 @@ class EngineLoop:
                 log.exception("could not abort %s after a failed step", request_id)
             if subscriber is not None:
                 subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, exc)
+        try:  # the failed steps may have left KV half written that the prefix cache already points at
+            self.engine.scheduler.stats = self.engine.scheduler.block_manager.reset()
+        except Exception:
+            log.exception("could not reset the block manager after a failed step")
         self.status = self._status()
 
     def _num_waiting_requests(self) -> int:

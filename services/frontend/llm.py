@@ -58,6 +58,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         preemption_mode: Literal["recompute", "swap"] = "recompute",
+        overlap: bool = True,
     ) -> None:
         config = ExecutorConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, kv_cache_bytes=kv_cache_mib << 20,
@@ -76,7 +77,7 @@ class LLM:
         limits = EngineLimits(info.vocab_size, info.max_model_len, info.num_blocks, info.block_size, eos)
         identity = ModelIdentity(info.model_digest, self.tokenizer.name_or_path or source.name,
                                  self.tokenizer.chat_template or "", info.dtype)
-        self.engine = Engine(scheduler, LocalExecutor(runner), limits, identity)
+        self.engine = Engine(scheduler, LocalExecutor(runner), limits, identity, overlap)
         self._ids = itertools.count()
 
     def generate(

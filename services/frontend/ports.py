@@ -1,13 +1,16 @@
-"""The two services the scheduler drives, as interfaces: in-process adapters here, gRPC ones in remote.py.
+"""The two services the scheduler drives, as interfaces: in-process adapters here, the gRPC clients in
+services/block_manager/client.py and services/executor/client.py.
 
 `BlockManagerPort.step` answers one batch of ops (validated as a whole, applied in order) with one outcome
-per op and the block statistics after the step. `ExecutorPort.execute` runs one step: block moves, the
-forward pass, sampling; it returns one token per sequence that asked for one, in request order.
+per op and the block statistics after the step. `ExecutorPort.submit` sends one step (block moves, the
+forward pass, sampling) and returns at once; its `result()` is one token per sequence that asked for one,
+in request order. Steps run in the order they are submitted, so step N+1 can be sent while N runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
 from ..block_manager.manager import BlockManager
@@ -24,9 +27,15 @@ class BlockManagerPort(Protocol):
 
     def stats(self) -> BlockStats: ...
 
+    def reset(self) -> BlockStats: ...
+
+
+class RunningStep(Protocol):
+    def result(self) -> list[SampledToken]: ...
+
 
 class ExecutorPort(Protocol):
-    def execute(self, step: StepInput) -> list[SampledToken]: ...
+    def submit(self, step: StepInput) -> RunningStep: ...
 
 
 class LocalBlockManager:
@@ -39,10 +48,17 @@ class LocalBlockManager:
     def stats(self) -> BlockStats:
         return self.manager.stats()
 
+    def reset(self) -> BlockStats:
+        self.manager.reset()
+        return self.manager.stats()
+
 
 class LocalExecutor:
+    """The runner on a thread of its own, so that the engine plans the next step while this one runs."""
+
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
 
-    def execute(self, step: StepInput) -> list[SampledToken]:
-        return self.runner.execute(step)
+    def submit(self, step: StepInput) -> RunningStep:
+        return self.thread.submit(self.runner.execute, step)

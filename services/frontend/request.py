@@ -97,10 +97,11 @@ class SequenceState:
     index: int  # which of the request's n samples
     token_ids: list[int]
     status: SeqStatus = SeqStatus.WAITING
-    num_computed: int = 0  # tokens whose KV the executor stored
+    num_computed: int = 0  # tokens whose KV the executor stored, or will store in a step already sent
     num_known_to_manager: int = 0  # tokens the block manager has been told about
     num_committed: int = 0  # tokens the block manager has been told are computed
     block_table: list[int] = field(default_factory=list)
+    num_pending: int = 0  # tokens being sampled by steps already sent (overlapped steps), not known yet
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: FinishReason | None = None

@@ -12,6 +12,12 @@ Each step, within a token budget and a cap on running sequences:
 
 A request with n > 1 prefills its prompt but the last token once, then forks n sequences that share those
 blocks; each computes the last prompt token itself and samples with its own seed, so they diverge.
+
+Overlapped steps (the engine's default): step N+1 is planned while step N runs, so a sequence's newest
+token may still be being sampled (`num_pending`). Its decode then asks the executor for LAST_SAMPLED and
+the block manager for a slot whose token it learns in the next Decode. `num_computed` counts the tokens of
+every step already sent; a sequence with a pending token is neither admitted, swapped in nor given a
+Reserve until its token is back, and one that will have reached its length limit is not scheduled again.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..block_manager.manager import NO_TOKEN
 from ..block_manager.stats import BlockStats
 from ..block_manager.step import (
     AdmitOp,
@@ -35,7 +42,7 @@ from ..block_manager.step import (
     SwapInOp,
     SwapOutOp,
 )
-from ..executor.step_types import SampledToken, SequenceInput, StepInput
+from ..executor.step_types import LAST_SAMPLED, SampledToken, SequenceInput, StepInput
 from .ports import BlockManagerPort
 from .request import FinishReason, Request, SeqStatus, SequenceOutput, SequenceState, StepOutput
 
@@ -75,6 +82,7 @@ class Scheduler:
         self.starved = False  # a running sequence got no block in the last step
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self._seq_ids = itertools.count(1)
+        self._step_ids = itertools.count(1)
 
     # ---- requests ------------------------------------------------------------------------------------
 
@@ -132,12 +140,12 @@ class Scheduler:
             else:
                 routes += self._reserve(seq, num_tokens)
         if decode_seqs:
-            decode = DecodeOp([s.seq_id for s in decode_seqs], [s.token_ids[-1] for s in decode_seqs])
+            decode = DecodeOp([s.seq_id for s in decode_seqs], [self._untold_token(s) for s in decode_seqs])
             routes.append((decode, decode_seqs))
         room = self.config.max_num_seqs - len(self.running)
         if self.swapped:  # resume before admitting anything new
             seq = self.swapped[0]
-            if room > 0 and budget > 0 and self._blocks_needed(seq, 1) <= free_estimate:
+            if room > 0 and budget > 0 and not seq.num_pending and self._blocks_needed(seq, 1) <= free_estimate:
                 routes.append((SwapInOp([seq.seq_id]), [seq]))
                 routes += self._reserve(seq, 1)
         else:
@@ -145,7 +153,7 @@ class Scheduler:
                 target = self._target_len(seq)
                 chunk = min(target, budget)
                 blocks = self._blocks_needed(seq, chunk)
-                if room <= 0 or chunk <= 0 or blocks > free_estimate:
+                if room <= 0 or chunk <= 0 or blocks > free_estimate or seq.num_pending:
                     break
                 # the block manager learns only the tokens up to the target, so that a prefix hit can never
                 # make it reserve (and the executor compute) a token meant for after a fork
@@ -164,6 +172,7 @@ class Scheduler:
             routes.append((CommitOp(seq.seq_id, seq.num_computed), []))
             seq.num_committed = seq.num_computed
         append = seq.token_ids[seq.num_known_to_manager : seq.num_computed + num_tokens]
+        assert seq.num_computed + num_tokens <= len(seq.token_ids), f"reserve of {seq.seq_id}: tokens not known yet"
         routes.append((ReserveOp(seq.seq_id, num_tokens, append), [seq]))
         return routes
 
@@ -192,7 +201,8 @@ class Scheduler:
                     self.starved |= bool(refused)
                     for seq, slot in zip(granted, outcome.slot_mapping, strict=True):
                         work[seq.seq_id] = Work(seq, 1, [slot])
-                        seq.num_known_to_manager = len(seq.token_ids)
+                        told = min(len(seq.token_ids), seq.num_computed + 1)
+                        seq.num_known_to_manager = max(seq.num_known_to_manager, told)
                         seq.num_committed = seq.num_computed
                 case ReserveOp() if outcome.granted:
                     (seq,) = seqs
@@ -229,24 +239,29 @@ class Scheduler:
         for w in items:
             seq = w.seq
             start = seq.num_computed
-            sample = start + w.num_tokens == len(seq.token_ids)
+            tokens = seq.token_ids[start : start + w.num_tokens] or [LAST_SAMPLED]  # being sampled by the last step
+            sample = start + w.num_tokens == self._known_len(seq)
             sequences.append(SequenceInput(
-                seq.seq_id, seq.token_ids[start : start + w.num_tokens], start, list(seq.block_table),
-                w.slot_mapping, seq.sampling if sample else None,
+                seq.seq_id, tokens, start, list(seq.block_table), w.slot_mapping, seq.sampling if sample else None,
             ))
-        return ScheduledStep(items, StepInput(sequences, swap_out=swap_out, swap_in=swap_in, copies=copies))
+            seq.num_computed += w.num_tokens  # from here on, as far as planning goes, it is computed
+            seq.num_pending += sample
+        step = StepInput(sequences, swap_out=swap_out, swap_in=swap_in, copies=copies, step_id=next(self._step_ids))
+        return ScheduledStep(items, step)
 
     # ---- results -------------------------------------------------------------------------------------
 
     def update(self, step: ScheduledStep, sampled: list[SampledToken]) -> list[StepOutput]:
-        """Records the step's stored KV and sampled tokens; finishes sequences that hit a stop condition."""
+        """Records the step's sampled tokens; finishes sequences that hit a stop condition. A sequence that
+        finished (or was aborted) after the step was sent drops its token: it is never streamed."""
         now = time.monotonic()
-        for w in step.work:
-            w.seq.num_computed += w.num_tokens
         by_seq = {w.seq.seq_id: w.seq for w in step.work}
         outputs: dict[str, list[SequenceOutput]] = {}
         for token in sampled:
             seq = by_seq[token.seq_id]
+            seq.num_pending -= 1
+            if seq.status is SeqStatus.FINISHED:
+                continue
             request = seq.request
             seq.token_ids.append(token.token_id)
             seq.logprobs.append(token.logprob)
@@ -275,11 +290,20 @@ class Scheduler:
 
     # ---- helpers -------------------------------------------------------------------------------------
 
+    def _known_len(self, seq: SequenceState) -> int:
+        """Tokens known or being sampled."""
+        return len(seq.token_ids) + seq.num_pending
+
     def _target_len(self, seq: SequenceState) -> int:
-        """Tokens to compute before sampling: an n > 1 parent stops short of its last prompt token."""
+        """Tokens to compute before sampling: an n > 1 parent stops short of its last prompt token; a sequence
+        whose pending tokens take it to its length limit computes nothing more."""
         if seq.request.num_unforked > 0 and seq.index == 0:
             return len(seq.token_ids) - 1
-        return len(seq.token_ids)
+        known = self._known_len(seq)
+        if seq.num_pending and (known - seq.num_prompt_tokens >= seq.request.params.max_tokens
+                                or known >= self.config.max_model_len):
+            return seq.num_computed
+        return known
 
     def _remaining(self, seq: SequenceState) -> int:
         return self._target_len(seq) - seq.num_computed
@@ -302,9 +326,14 @@ class Scheduler:
         return children
 
     def _is_plain_decode(self, seq: SequenceState, num_tokens: int) -> bool:
-        """One new token, the last sampled one, that the block manager has not seen: the Decode fast path."""
-        last = len(seq.token_ids) - 1
-        return num_tokens == 1 and seq.num_computed == last and seq.num_known_to_manager == last
+        """One new token, with at most one token the block manager has not been told (the Decode fast path):
+        the input itself (serial steps), or the previous one, the input being sampled still (overlapped)."""
+        untold = seq.token_ids[seq.num_known_to_manager : seq.num_computed + 1]
+        return num_tokens == 1 and len(untold) <= 1 and seq.num_known_to_manager >= seq.num_computed - 1
+
+    def _untold_token(self, seq: SequenceState) -> int:
+        untold = seq.token_ids[seq.num_known_to_manager : seq.num_computed + 1]
+        return untold[0] if untold else NO_TOKEN
 
     def _watermark_blocks(self) -> int:
         return int(self.stats.watermark * self.stats.num_total_blocks)

@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="queue bound: past it new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--metrics-listen", default="", help="HOST:PORT to serve Prometheus /metrics on (off if empty)")
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                        help="plan and send step N+1 while the executor runs step N (--no-overlap: in lock step)")
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="time-to-first-token objective")
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0, help="time-per-output-token objective")
 
@@ -98,7 +100,7 @@ def connect(args: argparse.Namespace) -> Backend:
     identity = ModelIdentity(info.model_digest, tokenizer.name_or_path or info.model, tokenizer.chat_template or "",
                              info.dtype)
     metrics = ServingMetrics(args.ttft_slo_ms, args.tpot_slo_ms)
-    loop = EngineLoop(Engine(scheduler, executor, limits, identity), metrics, args.max_waiting_requests)
+    loop = EngineLoop(Engine(scheduler, executor, limits, identity, args.overlap), metrics, args.max_waiting_requests)
     loop.start()
     return Backend(loop, tokenizer, info)
 

@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="queue bound: past it new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                        help="plan and send step N+1 while the executor runs step N (--no-overlap: in lock step)")
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0)
     parser.add_argument("--status-interval", type=float, default=1.0, help="seconds between status lines")
@@ -76,6 +78,8 @@ class Stack:
                          "--executor", self.services["executor"].address, "--model", args.model]
         for flag in FRONTEND_FLAGS:
             frontend_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        if not args.overlap:
+            frontend_args.append("--no-overlap")
         if args.metrics_port:
             frontend_args += ["--metrics-listen", f"{args.host}:{args.metrics_port}"]
         self._start("frontend", frontend_args, f"{args.host}:{args.port}")

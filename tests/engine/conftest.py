@@ -19,9 +19,18 @@ EngineFactory = Callable[..., tuple[Engine, BlockManager]]
 
 
 @pytest.fixture(scope="session")
-def make_engine(tiny_llama_dir: Path) -> EngineFactory:
-    runners: dict[tuple[int, int], object] = {}
+def runners() -> dict[tuple[int, int], object]:
+    return {}  # one model load per cache shape, for the whole session
 
+
+@pytest.fixture(params=[True, False], ids=["overlap", "serial"])
+def overlap(request: pytest.FixtureRequest) -> bool:
+    """Every engine test runs with overlapped steps (the default) and in lock step."""
+    return bool(request.param)
+
+
+@pytest.fixture
+def make_engine(tiny_llama_dir: Path, runners: dict[tuple[int, int], object], overlap: bool) -> EngineFactory:
     def make(num_blocks: int = 256, block_size: int = 4, cpu_blocks: int = 0, max_num_seqs: int = 16,
              max_num_batched_tokens: int = 64, preemption_mode: str = "recompute") -> tuple[Engine, BlockManager]:
         key = (num_blocks, block_size)
@@ -39,6 +48,6 @@ def make_engine(tiny_llama_dir: Path) -> EngineFactory:
         )
         limits = EngineLimits(VOCAB, info.max_model_len, num_blocks, block_size, frozenset({EOS}))
         identity = ModelIdentity(info.model_digest, "tiny", "", info.dtype)
-        return Engine(scheduler, LocalExecutor(runner), limits, identity), manager
+        return Engine(scheduler, LocalExecutor(runner), limits, identity, overlap), manager
 
     return make

@@ -22,6 +22,7 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", 
 
 class Pod:
     def __init__(self, model: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+        self.extra = extra
         self.address = f"127.0.0.1:{free_port()}"
         cmd = [sys.executable, "-m", "pagedserve", "serve", "--model", str(model), "--port",
                self.address.rsplit(":", 1)[1], "--device", "cpu", "--block-size", "4", "--status-interval", "0.2",

@@ -67,6 +67,32 @@ def test_prefill_then_decode_match_hf_greedy(stub: pb_grpc.ExecutorStub, tiny_ll
     assert forked.token_id == again.token_id
 
 
+def test_overlapped_steps_feed_the_tokens_they_sampled_forward(stub: pb_grpc.ExecutorStub) -> None:
+    """Steps 2 and 3 are sent before step 1 answers, each with LAST_SAMPLED (-1) as its input: the executor
+    runs them in order and gives the tokens that serial steps with known inputs give."""
+    prompt, table = [5, 17, 42, 8, 9, 60], [12, 13, 14]
+    serial = [stub.Execute(pb.ExecuteRequest(sequences=[seq_step(1, prompt, 0, table)])).tokens[0].token_id]
+    for position in (6, 7):
+        request = pb.ExecuteRequest(sequences=[seq_step(1, [serial[-1]], position, table)])
+        serial.append(stub.Execute(request).tokens[0].token_id)
+    base = stub.Execute(pb.ExecuteRequest()).tokens  # any step number may start a run of overlapped steps
+    assert not base
+    futures = [stub.Execute.future(pb.ExecuteRequest(sequences=[seq_step(1, prompt, 0, table)], step_id=41))]
+    for step_id, position in ((42, 6), (43, 7)):
+        futures.append(stub.Execute.future(pb.ExecuteRequest(sequences=[seq_step(1, [-1], position, table)],
+                                                              step_id=step_id)))
+    assert [f.result().tokens[0].token_id for f in futures] == serial
+    for request, message in (
+        (pb.ExecuteRequest(sequences=[seq_step(1, [-1], 8, table)], step_id=45), "last step run was 43"),
+        (pb.ExecuteRequest(sequences=[seq_step(1, [-1], 8, table)]), "last step run was"),
+        (pb.ExecuteRequest(sequences=[seq_step(2, [-1], 8, table)], step_id=44), "no token for sequence 2"),
+        (pb.ExecuteRequest(sequences=[seq_step(1, [-1, 5], 8, table)], step_id=44), "stands alone"),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Execute(request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
+
+
 BAD = [
     (seq_step(1, [500], 0, [0]), "token id 500 outside the vocabulary"),
     (seq_step(1, [5], 300, [0] * 80), "exceed the context"),

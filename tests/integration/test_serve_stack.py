@@ -23,10 +23,11 @@ from pagedserve.operator.scrape import parse_pod_metrics
 from pagedserve.protos import inference_pb2 as pb
 
 
-@pytest.fixture(scope="module")
-def pod(tiny_chat_model_dir: Path) -> Iterator[Pod]:
+@pytest.fixture(scope="module", params=["--overlap", "--no-overlap"])
+def pod(tiny_chat_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[Pod]:
+    """The pod every test here runs against, with overlapped steps (the default) and in lock step."""
     pod = Pod(tiny_chat_model_dir, "--num-blocks", "256", "--max-num-batched-tokens", "64",
-              "--metrics-port", str(free_port()))
+              "--metrics-port", str(free_port()), request.param)
     yield pod
     output = pod.stop()
     assert pod.proc.returncode == 0, output
@@ -168,8 +169,10 @@ def test_health_reflection_and_client_commands(pod: Pod) -> None:
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_under_a_tiny_budget_keeps_greedy_output(tiny_chat_model_dir: Path, pod: Pod, mode: str) -> None:
     expected = [pod.generate(p, max_tokens=40, ignore_eos=True)[1][0] for p in PROMPTS]
-    # 24 blocks of 4 tokens: the longest request alone needs 18, all five together about 75
-    small = Pod(tiny_chat_model_dir, "--num-blocks", "24", "--preemption-mode", mode, "--cpu-swap-mib", "1")
+    # 24 blocks of 4 tokens: the longest request alone needs 18, all five together about 75; and the other
+    # way of stepping than `pod`'s, so that overlapped and serial steps are compared too
+    other = "--no-overlap" if "--overlap" in pod.extra else "--overlap"
+    small = Pod(tiny_chat_model_dir, "--num-blocks", "24", "--preemption-mode", mode, "--cpu-swap-mib", "1", other)
     try:
         import concurrent.futures
 

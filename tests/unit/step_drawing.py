@@ -200,7 +200,7 @@ class StepDrawer:
                 ReserveOp(seq_id, s.num_known - s.num_slots + 1), ReserveOp(seq_id, -1),
                 ReserveOp(seq_id, 0, [5, -3]), CommitOp(seq_id, s.num_slots + 1), SwapOutOp([seq_id, seq_id]),
                 SwapInOp([seq_id]), DecodeOp([seq_id, seq_id], [1, 1]), DecodeOp([seq_id], [1, 2]),
-                DecodeOp([seq_id], [-1]),
+                DecodeOp([seq_id], [-2]),
             ]
             if s.num_computed > 0:
                 choices.append(CommitOp(seq_id, s.num_computed - 1))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from step_drawing import VOCAB, sealed_message
 from step_following import run_step
 
-from pagedserve.services.block_manager.manager import BlockCopy, BlockManager
+from pagedserve.services.block_manager.manager import NO_TOKEN, BlockCopy, BlockManager
 from pagedserve.services.block_manager.step import (
     AdmitOp,
     CommitOp,
@@ -27,6 +27,7 @@ from pagedserve.services.block_manager.step import (
     ReserveOp,
     SwapInOp,
     SwapOutOp,
+    apply_step,
 )
 
 namespaces = stateful.namespaces
@@ -237,3 +238,45 @@ def test_step_swap_out_after_a_swap_in() -> None:
     outcomes = run_sound(machine, [SwapInOp([1]), SwapOutOp([2])])
     assert outcomes[0].granted and not outcomes[1].granted  # the only cpu block is held back
     assert run_sound(machine, [SwapOutOp([2])])[0].granted
+
+
+@settings(max_examples=80, deadline=None)
+@given(block_size=st.integers(2, 4), prompts=st.lists(st.lists(VOCAB, min_size=1, max_size=9), min_size=1, max_size=3),
+       fork=st.booleans(), num_steps=st.integers(1, 12), data=st.data())
+def test_decodes_told_one_step_late_end_where_decodes_told_at_once_end(
+    block_size: int, prompts: list[list[int]], fork: bool, num_steps: int, data: st.DataObject
+) -> None:
+    """Overlapped steps tell each sampled token one decode late (NO_TOKEN first): the slots, copies and table
+    changes are those of decodes that know each token at once, and once the last token is told both managers
+    are in the same state: tokens, tables, block keys, prefix cache, statistics. A second NO_TOKEN is refused."""
+    serial, late = BlockManager(64, block_size), BlockManager(64, block_size)
+    namespace = namespaces(block_size)[0]
+    seq_ids = list(range(1, len(prompts) + 1))
+    for manager in (serial, late):
+        for seq_id, prompt in zip(seq_ids, prompts, strict=True):
+            assert manager.admit(seq_id, prompt, namespace, len(prompt)).granted
+        if fork:
+            manager.fork(1, 99)
+    seq_ids += [99] if fork else []
+    told: list[int] = [NO_TOKEN] * len(seq_ids)
+    for step in range(num_steps):
+        tokens = data.draw(st.lists(VOCAB, min_size=len(seq_ids), max_size=len(seq_ids)), label=f"step {step}")
+        at_once, one_late = serial.decode(seq_ids, tokens), late.decode(seq_ids, told)
+        assert at_once == one_late
+        serial.check_integrity()
+        late.check_integrity()
+        told = tokens
+    with pytest.raises(InvalidStep, match="not told yet"):
+        apply_step(late, [DecodeOp(seq_ids[:1], [NO_TOKEN])])
+    for seq_id, token in zip(seq_ids, told, strict=True):  # the last tokens arrive; both commit what they hold
+        late.reserve(seq_id, 0, [token])
+        for manager in (serial, late):
+            manager.commit(seq_id, manager.seqs[seq_id].num_slots)
+    assert stateful_snapshot(serial) == stateful_snapshot(late)
+    late.check_integrity()
+
+
+def stateful_snapshot(manager: BlockManager) -> tuple[object, ...]:
+    seqs = [(i, s.token_ids, s.num_slots, s.num_computed, manager.block_table(i), s.block_hashes)
+            for i, s in sorted(manager.seqs.items())]
+    return manager.stats(), seqs, sorted(manager.pool.cached), [b.block_id for b in manager.pool.free_queue]
