@@ -27,6 +27,8 @@ BENCHMARKS = {
     "blocks": ("pagedserve.benchmarks.blocks", "block-manager utilization and step latency"),
     "executor": ("pagedserve.benchmarks.executor", "generation throughput vs HF transformers generate()"),
     "kernels": ("pagedserve.benchmarks.kernels", "paged decode attention bandwidth and speed vs SDPA"),
+    "offline": ("pagedserve.benchmarks.offline", "an offline batch vs HF generate() and, with --peer, vLLM (CPU)"),
+    "overhead": ("pagedserve.benchmarks.overhead", "per-step cost of frontend and block manager (stand-in executor)"),
     "serve": ("pagedserve.benchmarks.serve", "the serving stack under a workload, vs HF transformers"),
 }
 

@@ -53,9 +53,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.runner: ModelRunner | None = None
         self.info: pb.InfoResponse | None = None
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
-        self.last_step_id = 0  # of the last numbered step that ended (ran or failed)
+        self.last_queued = 0  # the last numbered step handed to the step thread
         self.num_outstanding = 0  # steps handed to the step thread, not ended
-        self.step_ended = asyncio.Condition()
+        self.order = asyncio.Condition()
 
     async def load(self) -> None:
         """Loads the model and runs the warm-up step on the step thread, off the event loop."""
@@ -70,18 +70,21 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             raise NotReady("the model is still loading")
         step = step_from_proto(request)
         if step.step_id and any(seq.token_ids[:1] == [LAST_SAMPLED] for seq in step.sequences):
-            # step N+1 is sent before step N answers: it must not overtake step N while that one is queued
-            async with self.step_ended:
-                await self.step_ended.wait_for(
-                    lambda: self.last_step_id >= step.step_id - 1 or not self.num_outstanding)
+            # step N+1 is sent before step N answers: it must not be queued for the step thread (which runs
+            # steps in the order they are queued) before step N, while step N may still come
+            async with self.order:
+                await self.order.wait_for(lambda: self.last_queued >= step.step_id - 1 or not self.num_outstanding)
+        running = asyncio.get_running_loop().run_in_executor(self.thread, runner.execute, step)
         self.num_outstanding += 1
+        async with self.order:
+            self.last_queued = step.step_id or self.last_queued
+            self.order.notify_all()
         try:
-            tokens = await asyncio.get_running_loop().run_in_executor(self.thread, runner.execute, step)
+            tokens = await running
         finally:
             self.num_outstanding -= 1
-            async with self.step_ended:
-                self.last_step_id = step.step_id or self.last_step_id
-                self.step_ended.notify_all()
+            async with self.order:
+                self.order.notify_all()
         return pb.ExecuteResponse(tokens=[
             pb.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob,
                             top_token_ids=t.top_token_ids, top_logprobs=t.top_logprobs)

@@ -37,6 +37,7 @@ class _Sample:
 
     detokenizer: IncrementalDetokenizer
     stop: StopStringMatcher
+    text_at_end: bool = False  # a unary call without stop strings: its text is decoded once, at the end
     done: bool = False
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
@@ -96,7 +97,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         choices: dict[int, pb.Completion] = {}
         response = pb.CompleteResponse()
-        async for chunk in self._generate(request, context):
+        async for chunk in self._generate(request, context, stream_text=False):
             response.request_id = chunk.request_id
             choice = choices.setdefault(chunk.index, pb.Completion(index=chunk.index))
             choice.text += chunk.text
@@ -110,14 +111,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return response
 
     async def _generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, stream_text: bool = True
     ) -> AsyncIterator[pb.GenerateResponse]:
         if request.model and request.model != self.info.model:
             raise InvalidRequest(f"model: {request.model!r} is not served here; this pod serves {self.info.model!r}")
         prompt = self._prompt(request)
         params = generation_params(request.params)
         stop = list(request.params.stop)
-        samples = [self._sample(prompt, stop) for _ in range(params.n)]
+        samples = [self._sample(prompt, stop, text_at_end=not (stream_text or stop)) for _ in range(params.n)]
         want_logprobs = request.params.HasField("logprobs")
         request_id = uuid.uuid4().hex
         span = trace.get_current_span()  # the call's server span (a no-op one when tracing is off)
@@ -150,8 +151,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if not over:  # the client went away, the deadline passed, or the engine failed
                 self.loop.abort(request_id)
 
-    def _sample(self, prompt: list[int], stop: list[str]) -> _Sample:
-        return _Sample(IncrementalDetokenizer(self.tokenizer, prompt), StopStringMatcher(stop))
+    def _sample(self, prompt: list[int], stop: list[str], text_at_end: bool) -> _Sample:
+        return _Sample(IncrementalDetokenizer(self.tokenizer, prompt), StopStringMatcher(stop), text_at_end)
 
     def _chunk(
         self, request_id: str, samples: list[_Sample], output: SequenceOutput, want_logprobs: bool
@@ -159,11 +160,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         sample = samples[output.index]
         if sample.done:  # a stop string ended it; the engine may have produced one more token meanwhile
             return None
-        text, stopped = sample.stop.feed(sample.detokenizer.add(output.new_token_ids))
+        if sample.text_at_end:  # one decode of the whole output instead of two per token (the same text)
+            text, stopped = "", False
+            if output.finish_reason is not None:
+                ids = [*sample.token_ids, *output.new_token_ids]
+                text = sample.detokenizer.add(ids) + sample.detokenizer.flush()
+        else:
+            text, stopped = sample.stop.feed(sample.detokenizer.add(output.new_token_ids))
         finish = pb.STOP if stopped else pb.FINISH_REASON_UNSPECIFIED
         if output.finish_reason is not None and not stopped:
             finish = FINISH[output.finish_reason]
-        if finish and not stopped:  # the end of the stream: release what was held back
+        if finish and not stopped and not sample.text_at_end:  # the end of the stream: release what was held back
             text += sample.stop.feed(sample.detokenizer.flush())[0] + sample.stop.flush()
         if stopped and output.finish_reason is None:
             self.loop.finish_sample(request_id, output.index)

@@ -37,6 +37,20 @@ class _Subscriber:
     span: trace.SpanContext  # the request's Generate span: each step it is part of links to it
 
 
+def _post(posts: list[tuple[_Subscriber, Event]]) -> None:
+    """Hands events to their requests' event loops: one wake-up per loop and step, not one per request."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
+    for subscriber, event in posts:
+        by_loop.setdefault(subscriber.loop, []).append((subscriber.queue, event))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
+    for queue_, event in items:
+        queue_.put_nowait(event)
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, metrics: ServingMetrics, max_waiting_requests: int) -> None:
         self.engine, self.metrics, self.max_waiting_requests = engine, metrics, max_waiting_requests
@@ -102,8 +116,7 @@ class EngineLoop:
                 log.exception("engine step failed: failing the requests in flight")
                 self._fail_all(exc)
                 continue
-            for output in outputs:
-                self._deliver(output)
+            self._deliver(outputs)
             self.status = self._status()
 
     def _step(self) -> list[StepOutput]:
@@ -143,23 +156,26 @@ class EngineLoop:
                 self.engine.scheduler.finish(seq, FinishReason.STOP)
         self.engine.scheduler.flush()
         if request.finished:
-            self._close(request_id, request)
+            _post(self._close(request_id, request))
 
-    def _deliver(self, output: StepOutput) -> None:
-        request = output.request
-        self.metrics.record_tokens(sum(len(o.new_token_ids) for o in output.outputs))
-        subscriber = self._subscribers.get(request.request_id)
-        if subscriber is not None:
-            subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, output)
-        if request.finished:
-            self._close(request.request_id, request)
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        posts: list[tuple[_Subscriber, Event]] = []
+        for output in outputs:
+            request = output.request
+            self.metrics.record_tokens(sum(len(o.new_token_ids) for o in output.outputs))
+            subscriber = self._subscribers.get(request.request_id)
+            if subscriber is not None:
+                posts.append((subscriber, output))
+            if request.finished:
+                posts += self._close(request.request_id, request)
+        _post(posts)
 
-    def _close(self, request_id: str, request: Any) -> None:
+    def _close(self, request_id: str, request: Any) -> list[tuple[_Subscriber, Event]]:
+        """Records the finished request; returns the end of its stream to post."""
         num_tokens = sum(len(s.output_token_ids) for s in request.seqs)
         self.metrics.record_finished(latency(request.metrics, num_tokens))
         subscriber = self._subscribers.pop(request_id, None)
-        if subscriber is not None:
-            subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, None)
+        return [(subscriber, None)] if subscriber is not None else []
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self.engine.scheduler.requests):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -78,10 +79,16 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     num_unforked: int = -1  # samples not forked yet from the first sequence
+    stop_ids: frozenset[int] = field(init=False)  # tokens that end a sample (stop tokens, EOS unless ignored)
+    max_len: int = field(init=False)  # prompt + max_tokens: where a sample ends at the latest
 
     def __post_init__(self) -> None:
         if self.num_unforked < 0:
             self.num_unforked = self.params.n - 1
+        # looked up for every sampled token: computed once
+        self.stop_ids = frozenset(self.params.stop_token_ids) | (frozenset() if self.params.ignore_eos
+                                                                  else self.eos_token_ids)
+        self.max_len = len(self.prompt_token_ids) + self.params.max_tokens
 
     @property
     def finished(self) -> bool:
@@ -114,7 +121,7 @@ class SequenceState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
-    @property
+    @functools.cached_property
     def sampling(self) -> SamplingParams:
         # each sample draws with its own seed, so the n samples differ and each is reproducible
         return self.request.params.sampling_for(self.request.seed + self.index)

@@ -254,33 +254,39 @@ class Scheduler:
     def update(self, step: ScheduledStep, sampled: list[SampledToken]) -> list[StepOutput]:
         """Records the step's sampled tokens; finishes sequences that hit a stop condition. A sequence that
         finished (or was aborted) after the step was sent drops its token: it is never streamed."""
+        # Runs for every sequence every step, on the path that must fit in the executor's step time: plain
+        # loops, limits looked up once per request.
         now = time.monotonic()
         by_seq = {w.seq.seq_id: w.seq for w in step.work}
-        outputs: dict[str, list[SequenceOutput]] = {}
+        outputs: dict[int, StepOutput] = {}  # by id(request)
+        max_model_len = self.config.max_model_len
         for token in sampled:
             seq = by_seq[token.seq_id]
             seq.num_pending -= 1
             if seq.status is SeqStatus.FINISHED:
                 continue
             request = seq.request
-            seq.token_ids.append(token.token_id)
+            token_id = token.token_id
+            seq.token_ids.append(token_id)
             seq.logprobs.append(token.logprob)
-            seq.top_logprobs.append(list(zip(token.top_token_ids, token.top_logprobs, strict=True)))
-            request.metrics.first_token = request.metrics.first_token or now
+            top = list(zip(token.top_token_ids, token.top_logprobs, strict=True)) if token.top_token_ids else []
+            seq.top_logprobs.append(top)
+            if request.metrics.first_token is None:
+                request.metrics.first_token = now
             if seq.index == 0:
                 request.metrics.token_times.append(now)
-            reason = self._stop_reason(seq)
-            if reason is not None:
-                self._finish(seq, reason)
-            outputs.setdefault(request.request_id, []).append(SequenceOutput(
-                seq.seq_id, seq.index, [token.token_id], seq.finish_reason, [token.logprob], [seq.top_logprobs[-1]]
-            ))
-        results = []
-        for request_id, seq_outputs in outputs.items():
-            request = self.requests[request_id]
-            results.append(StepOutput(request, seq_outputs))
-            self._forget_if_done(request)
-        return results
+            if token_id in request.stop_ids:
+                self._finish(seq, FinishReason.STOP)
+            elif len(seq.token_ids) >= request.max_len or len(seq.token_ids) >= max_model_len:
+                self._finish(seq, FinishReason.LENGTH)
+            output = outputs.get(id(request))
+            if output is None:
+                output = outputs[id(request)] = StepOutput(request, [])
+            output.outputs.append(SequenceOutput(
+                seq.seq_id, seq.index, (token_id,), seq.finish_reason, (token.logprob,), (top,)))
+        for output in outputs.values():
+            self._forget_if_done(output.request)
+        return list(outputs.values())
 
     def finish(self, seq: SequenceState, reason: FinishReason) -> None:
         """Ends a sequence for a reason found outside the scheduler (a stop string)."""
@@ -371,15 +377,6 @@ class Scheduler:
         seq.block_table = []
         seq.num_computed = seq.num_known_to_manager = seq.num_committed = 0
         self.waiting.appendleft(seq)
-
-    def _stop_reason(self, seq: SequenceState) -> FinishReason | None:
-        params = seq.request.params
-        token = seq.token_ids[-1]
-        if token in params.stop_token_ids or (not params.ignore_eos and token in seq.request.eos_token_ids):
-            return FinishReason.STOP
-        if len(seq.output_token_ids) >= params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> SequenceOutput:
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPED):

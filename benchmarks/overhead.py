@@ -1,0 +1,119 @@
+"""`pagedserve bench overhead`: how much of the accelerator's time the frontend and the block manager cost.
+
+The real frontend and the real block manager, each its own process talking gRPC as in a pod, drive an
+executor stand-in (benchmarks/standin_executor.py) that holds every step for a fixed time instead of
+running a model: it stands in for an accelerator that is busy that long, so whatever else the wall time
+holds is the serving stack's own overhead. For each of 64 and 256 running sequences and 10 ms and 2 ms
+steps, that many unary requests (short prompts, EOS ignored) run together, with overlapped steps (the
+default) and serial ones. Over the steps in which every sequence decodes (the edges dropped), the
+overhead is 1 - (time the stand-in held steps) / (wall time from the first step's start to the last's end).
+Keys: `overhead_frac_<seqs>_<ms>ms` (overlapped) and `serial_overhead_frac_<seqs>_<ms>ms`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ..protos import inference_pb2 as pb
+from ..protos import inference_pb2_grpc as pb_grpc
+from ..services.common.processes import ServiceProcess, start_service, stop_service, wait_serving
+from .report import emit
+
+PROMPT = "Count the waves: one, two, three,"
+EDGE_STEPS = 5  # dropped at each end of the full-batch window: admission and the first finishes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.add_argument("--out", type=Path, help="also write the JSON object to this file")
+    parser.add_argument("--model", default="smollm2-135m", help="whose tokenizer the frontend loads")
+    parser.add_argument("--seqs", default="64,256", help="comma-separated numbers of running sequences")
+    parser.add_argument("--step-ms", default="10,2", help="comma-separated stand-in step times")
+    parser.add_argument("--tokens", type=int, default=160, help="new tokens per request")
+    parser.add_argument("--modes", default="overlap,serial", help="overlap, serial or both")
+
+
+def _start_stand_in(args: list[str]) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "pagedserve.benchmarks.standin_executor", "--listen", "127.0.0.1:0", *args]
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the servers print "listening on HOST:PORT (port N)" once bound
+        if line.startswith("listening on"):
+            port = line.rsplit("(port ", 1)[1].rstrip(")\n")
+            address = f"127.0.0.1:{port}"
+            wait_serving(address, 120, proc)
+            return proc, address
+    raise RuntimeError(f"the executor stand-in exited with {proc.wait()}")
+
+
+def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: bool) -> dict[str, Any]:
+    """One run: the three processes, num_seqs requests at once, the stand-in's timeline read back."""
+    num_blocks = num_seqs * (-(-(tokens + 32) // 16)) + 64
+    with tempfile.TemporaryDirectory() as tmp:
+        timeline_file = Path(tmp) / "timeline.json"
+        stand_in, executor_address = _start_stand_in([
+            "--model", model, "--num-blocks", str(num_blocks), "--step-ms", str(step_ms),
+            "--timeline", str(timeline_file)])
+        services: list[ServiceProcess] = []
+        try:
+            services.append(start_service(["block-manager", "--geometry-from", executor_address]))
+            frontend_args = ["frontend", "--block-manager", services[0].address, "--executor", executor_address,
+                             "--model", model, "--max-num-seqs", str(num_seqs),
+                             "--max-num-batched-tokens", str(max(2048, num_seqs * 32)),
+                             "--max-waiting-requests", str(num_seqs + 1)]
+            services.append(start_service([*frontend_args, *([] if overlap else ["--no-overlap"])]))
+            with grpc.insecure_channel(services[1].address) as channel:
+                stub = pb_grpc.InferenceStub(channel)
+                request = pb.GenerateRequest(text=PROMPT, params=pb.GenerationParameters(
+                    max_tokens=tokens, ignore_eos=True))
+                futures = [stub.Complete.future(request, timeout=600) for _ in range(num_seqs)]
+                texts = {f.result().choices[0].text for f in futures}
+        finally:
+            for service in reversed(services):
+                stop_service(service)
+            stand_in.terminate()
+            stand_in.wait(timeout=30)
+        timeline = json.loads(timeline_file.read_text())
+    full = [(start, end) for start, end, seqs in timeline if seqs == num_seqs][EDGE_STEPS:-EDGE_STEPS]
+    if len(full) < 10:
+        raise RuntimeError(f"only {len(full)} steps ran all {num_seqs} sequences: raise --tokens")
+    busy = sum(end - start for start, end in full)
+    wall = full[-1][1] - full[0][0]
+    return {"overhead_frac": round(1 - busy / wall, 4), "steps": len(full), "texts": sorted(texts),
+            "gap_ms_mean": round((wall - busy) / (len(full) - 1) * 1000, 3)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "executor": "a stand-in that holds each step for a fixed time (no model runs): it stands in for the"
+                    " accelerator; the frontend and block manager are the real processes over gRPC",
+        "tokens_per_request": args.tokens,
+    }
+    texts = set()
+    for num_seqs in (int(s) for s in args.seqs.split(",")):
+        for step_ms in (float(s) for s in args.step_ms.split(",")):
+            for mode in args.modes.split(","):
+                run_ = measure(args.model, num_seqs, step_ms, args.tokens, overlap=mode == "overlap")
+                name = f"{num_seqs}_{step_ms:g}ms"
+                prefix = "" if mode == "overlap" else "serial_"
+                result[f"{prefix}overhead_frac_{name}"] = run_["overhead_frac"]
+                result[f"{prefix}gap_ms_{name}"] = run_["gap_ms_mean"]
+                result[f"{prefix}steps_{name}"] = run_["steps"]
+                texts.update(run_["texts"])
+    # the stand-in's token depends only on its position: every request of every run must read the same
+    result["one_text_for_all_runs"] = len(texts) == 1
+    return result
+
+
+def main(args: argparse.Namespace) -> None:
+    emit(run(args), args)

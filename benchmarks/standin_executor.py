@@ -1,0 +1,100 @@
+"""An executor stand-in for `bench overhead`: the real executor gRPC service, but each step is held for a
+fixed time instead of running a model, standing in for an accelerator that is busy for that long.
+
+It speaks the Executor protocol through the real servicer (request parsing, step ordering, answers), keeps
+the tokens it "sampled" for LAST_SAMPLED inputs as the real runner does, and records when each step began
+and ended, so that the accelerator's busy share of the wall time can be measured. The token it samples
+for a position depends only on the position, so every mode and run produces the same text.
+
+    python -m pagedserve.benchmarks.standin_executor --listen 127.0.0.1:0 --model M --num-blocks N
+        --step-ms 10 --timeline FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from ..protos import executor_pb2 as pb
+from ..protos import executor_pb2_grpc as pb_grpc
+from ..services.common.errors import InvalidRequest
+from ..services.common.grpc_server import GrpcService, run, serve_until_signalled
+from ..services.executor.model.registry import resolve_model
+from ..services.executor.model.tokenizer import load_tokenizer
+from ..services.executor.server import SERVICE_NAME, ExecutorServicer
+from ..services.executor.step_types import LAST_SAMPLED, SampledToken, StepInput
+
+
+class StandInRunner:
+    """Holds each step for `step_s` seconds; records (start, end, sequences) per step."""
+
+    def __init__(self, step_s: float, vocab_size: int) -> None:
+        self.step_s, self.vocab_size = step_s, vocab_size
+        self.last_step_id = 0
+        self.last_sampled: dict[int, int] = {}
+        self.timeline: list[tuple[float, float, int]] = []
+
+    def execute(self, step: StepInput) -> list[SampledToken]:
+        start = time.perf_counter()
+        last_sampled, self.last_sampled = self.last_sampled, {}
+        for seq in step.sequences:
+            if seq.token_ids[0] == LAST_SAMPLED and (step.step_id != self.last_step_id + 1
+                                                     or seq.seq_id not in last_sampled):
+                raise InvalidRequest(f"step {step.step_id}: no token of step {step.step_id - 1} for {seq.seq_id}")
+        self.last_step_id = step.step_id
+        tokens = []
+        for seq in step.sequences:
+            if seq.sampling is not None:
+                position = seq.start_position + len(seq.token_ids)
+                tokens.append(SampledToken(seq.seq_id, 1 + position * 7919 % (self.vocab_size - 1), 0.0, [], []))
+        self.last_sampled = {t.seq_id: t.token_id for t in tokens}
+        time.sleep(max(0.0, start + self.step_s - time.perf_counter()))
+        self.timeline.append((start, time.perf_counter(), len(step.sequences)))
+        return tokens
+
+
+class StandInServicer(ExecutorServicer):
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        super().__init__(None)  # type: ignore[arg-type]  # no model to configure
+
+    async def load(self) -> None:
+        source = resolve_model(self.args.model)
+        vocab_size = len(load_tokenizer(source))
+        self.stand_in = StandInRunner(self.args.step_ms / 1000, vocab_size)
+        self.runner = self.stand_in  # type: ignore[assignment]  # the servicer only calls execute()
+        self.info = pb.InfoResponse(
+            model=self.args.model, model_digest=source.digest, dtype="float32", device="stand-in (a fixed hold)",
+            vocab_size=vocab_size, max_model_len=self.args.max_model_len, block_size=self.args.block_size,
+            num_blocks=self.args.num_blocks, num_cpu_blocks=0, kernel_backend="stand-in",
+        )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    servicer = StandInServicer(args)
+    service = GrpcService(args.listen, [SERVICE_NAME])
+    pb_grpc.add_ExecutorServicer_to_server(servicer, service.server)
+    try:
+        await serve_until_signalled(service, warm_up=servicer.load)
+    finally:
+        timeline = servicer.stand_in.timeline if hasattr(servicer, "stand_in") else []
+        Path(args.timeline).write_text(json.dumps(timeline))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--listen", default="127.0.0.1:0")
+    parser.add_argument("--model", default="smollm2-135m", help="whose digest and tokenizer the stand-in reports")
+    parser.add_argument("--num-blocks", type=int, required=True)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--step-ms", type=float, required=True, help="how long each step holds the 'accelerator'")
+    parser.add_argument("--timeline", required=True, help="where to write [start, end, sequences] per step at exit")
+    args = parser.parse_args()
+    run(serve(args), "executor-stand-in")
+
+
+if __name__ == "__main__":
+    main()
