@@ -7,7 +7,9 @@ holds is the serving stack's own overhead. For each of 64 and 256 running sequen
 steps, that many unary requests (short prompts, EOS ignored) run together, with overlapped steps (the
 default) and serial ones. Over the steps in which every sequence decodes (the edges dropped), the
 overhead is 1 - (time the stand-in held steps) / (wall time from the first step's start to the last's end).
-Keys: `overhead_frac_<seqs>_<ms>ms` (overlapped) and `serial_overhead_frac_<seqs>_<ms>ms`.
+Keys: `overhead_frac_<seqs>_<ms>ms` (overlapped) and `serial_overhead_frac_<seqs>_<ms>ms`; with them the
+CPU time the frontend and the block manager spent per step (from /proc: where it nears the step time, the
+machine's cores, not the design, are the limit).
 """
 
 from __future__ import annotations
@@ -76,8 +78,10 @@ def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: boo
                 stub = pb_grpc.InferenceStub(channel)
                 request = pb.GenerateRequest(text=PROMPT, params=pb.GenerationParameters(
                     max_tokens=tokens, ignore_eos=True))
+                cpu_before = [_cpu_seconds(service.proc.pid) for service in services]
                 futures = [stub.Complete.future(request, timeout=600) for _ in range(num_seqs)]
                 texts = {f.result().choices[0].text for f in futures}
+                cpu = [_cpu_seconds(service.proc.pid) - before for service, before in zip(services, cpu_before)]
         finally:
             for service in reversed(services):
                 stop_service(service)
@@ -90,7 +94,15 @@ def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: boo
     busy = sum(end - start for start, end in full)
     wall = full[-1][1] - full[0][0]
     return {"overhead_frac": round(1 - busy / wall, 4), "steps": len(full), "texts": sorted(texts),
-            "gap_ms_mean": round((wall - busy) / (len(full) - 1) * 1000, 3)}
+            "gap_ms_mean": round((wall - busy) / (len(full) - 1) * 1000, 3),
+            "frontend_cpu_ms_per_step": round(cpu[1] / len(timeline) * 1000, 3),
+            "block_manager_cpu_ms_per_step": round(cpu[0] / len(timeline) * 1000, 3)}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (both threads of the frontend included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -109,6 +121,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result[f"{prefix}overhead_frac_{name}"] = run_["overhead_frac"]
                 result[f"{prefix}gap_ms_{name}"] = run_["gap_ms_mean"]
                 result[f"{prefix}steps_{name}"] = run_["steps"]
+                result[f"{prefix}frontend_cpu_ms_per_step_{name}"] = run_["frontend_cpu_ms_per_step"]
+                result[f"{prefix}block_manager_cpu_ms_per_step_{name}"] = run_["block_manager_cpu_ms_per_step"]
                 texts.update(run_["texts"])
     # the stand-in's token depends only on its position: every request of every run must read the same
     result["one_text_for_all_runs"] = len(texts) == 1

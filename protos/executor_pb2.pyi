@@ -21,93 +21,6 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
-class SamplingParams(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    TEMPERATURE_FIELD_NUMBER: _builtins.int
-    TOP_K_FIELD_NUMBER: _builtins.int
-    TOP_P_FIELD_NUMBER: _builtins.int
-    SEED_FIELD_NUMBER: _builtins.int
-    NUM_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
-    temperature: _builtins.float
-    """0: greedy"""
-    top_k: _builtins.int
-    """0: off"""
-    top_p: _builtins.float
-    """0 or 1: off"""
-    seed: _builtins.int
-    """with the token's position, fixes the random draw: same seed, same tokens"""
-    num_top_logprobs: _builtins.int
-    """also return this many most likely tokens with their logprobs (<= 20)"""
-    def __init__(
-        self,
-        *,
-        temperature: _builtins.float = ...,
-        top_k: _builtins.int = ...,
-        top_p: _builtins.float = ...,
-        seed: _builtins.int = ...,
-        num_top_logprobs: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_top_logprobs", b"num_top_logprobs", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
-
-@_typing.final
-class SequenceStep(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    SEQ_ID_FIELD_NUMBER: _builtins.int
-    TOKEN_IDS_FIELD_NUMBER: _builtins.int
-    START_POSITION_FIELD_NUMBER: _builtins.int
-    BLOCK_TABLE_FIELD_NUMBER: _builtins.int
-    SLOT_MAPPING_FIELD_NUMBER: _builtins.int
-    SAMPLE_FIELD_NUMBER: _builtins.int
-    SAMPLING_FIELD_NUMBER: _builtins.int
-    seq_id: _builtins.int
-    start_position: _builtins.int
-    """position of token_ids[0]"""
-    sample: _builtins.bool
-    """a next token is wanted (last prefill chunk, or a decode)"""
-    @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Tokens whose KV is computed this step (a prefill chunk or one token). [-1]: the token this executor
-        sampled for this sequence in the previous step (step_id - 1), which the frontend does not know yet.
-        """
-
-    @_builtins.property
-    def block_table(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """the whole table, covering positions [0, start_position + len)"""
-
-    @_builtins.property
-    def slot_mapping(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """one cache slot per token (block_id * block_size + offset)"""
-
-    @_builtins.property
-    def sampling(self) -> Global___SamplingParams: ...
-    def __init__(
-        self,
-        *,
-        seq_id: _builtins.int = ...,
-        token_ids: _abc.Iterable[_builtins.int] | None = ...,
-        start_position: _builtins.int = ...,
-        block_table: _abc.Iterable[_builtins.int] | None = ...,
-        slot_mapping: _abc.Iterable[_builtins.int] | None = ...,
-        sample: _builtins.bool = ...,
-        sampling: Global___SamplingParams | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table", b"block_table", "sample", b"sample", "sampling", b"sampling", "seq_id", b"seq_id", "slot_mapping", b"slot_mapping", "start_position", b"start_position", "token_ids", b"token_ids"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___SequenceStep: _TypeAlias = SequenceStep  # noqa: Y015
-
-@_typing.final
 class BlockCopy(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -131,19 +44,33 @@ Global___BlockCopy: _TypeAlias = BlockCopy  # noqa: Y015
 
 @_typing.final
 class ExecuteRequest(_message.Message):
+    """One scheduler step. Its sequences travel as parallel packed arrays, one array per field rather than one
+    message per sequence: a step of hundreds of decodes is built and read every few milliseconds.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
-    SEQUENCES_FIELD_NUMBER: _builtins.int
     SWAP_OUT_FIELD_NUMBER: _builtins.int
     SWAP_IN_FIELD_NUMBER: _builtins.int
     COPIES_FIELD_NUMBER: _builtins.int
     STEP_ID_FIELD_NUMBER: _builtins.int
+    SEQ_IDS_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    START_POSITIONS_FIELD_NUMBER: _builtins.int
+    BLOCK_TABLE_LENS_FIELD_NUMBER: _builtins.int
+    SAMPLE_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    SLOT_MAPPING_FIELD_NUMBER: _builtins.int
+    BLOCK_TABLES_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    NUM_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Overlapped steps are numbered 1, 2, ... by the frontend, which sends step N+1 before step N has
     answered; a step that uses last-sampled tokens runs only after step_id - 1 (0: unnumbered).
     """
-    @_builtins.property
-    def sequences(self) -> _containers.RepeatedCompositeFieldContainer[Global___SequenceStep]: ...
     @_builtins.property
     def swap_out(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockCopy]:
         """device block -> cpu block"""
@@ -156,35 +83,118 @@ class ExecuteRequest(_message.Message):
     def copies(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockCopy]:
         """device -> device (copy-on-write)"""
 
+    @_builtins.property
+    def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """One entry per sequence."""
+
+    @_builtins.property
+    def num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """tokens whose KV is computed this step (a prefill chunk, or one)"""
+
+    @_builtins.property
+    def start_positions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """position of the sequence's first token this step"""
+
+    @_builtins.property
+    def block_table_lens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """blocks in its table, which covers [0, start + num_tokens)"""
+
+    @_builtins.property
+    def sample(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """a next token is wanted (the last prefill chunk, or a decode)"""
+
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The sequences' entries one after another, in order.
+        token_ids: [-1] for a sequence is the token this executor sampled for it in the previous step
+        (step_id - 1), which the frontend does not know yet.
+        """
+
+    @_builtins.property
+    def slot_mapping(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """one cache slot per token (block_id * block_size + offset)"""
+
+    @_builtins.property
+    def block_tables(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def temperature(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """One entry per sequence with sample set, in order.
+        0: greedy
+        """
+
+    @_builtins.property
+    def top_k(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """0: off"""
+
+    @_builtins.property
+    def top_p(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """0 or 1: off"""
+
+    @_builtins.property
+    def seed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """with the token's position, fixes the random draw"""
+
+    @_builtins.property
+    def num_top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """also return this many most likely tokens (<= 20)"""
+
     def __init__(
         self,
         *,
-        sequences: _abc.Iterable[Global___SequenceStep] | None = ...,
         swap_out: _abc.Iterable[Global___BlockCopy] | None = ...,
         swap_in: _abc.Iterable[Global___BlockCopy] | None = ...,
         copies: _abc.Iterable[Global___BlockCopy] | None = ...,
         step_id: _builtins.int = ...,
+        seq_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        start_positions: _abc.Iterable[_builtins.int] | None = ...,
+        block_table_lens: _abc.Iterable[_builtins.int] | None = ...,
+        sample: _abc.Iterable[_builtins.bool] | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        slot_mapping: _abc.Iterable[_builtins.int] | None = ...,
+        block_tables: _abc.Iterable[_builtins.int] | None = ...,
+        temperature: _abc.Iterable[_builtins.float] | None = ...,
+        top_k: _abc.Iterable[_builtins.int] | None = ...,
+        top_p: _abc.Iterable[_builtins.float] | None = ...,
+        seed: _abc.Iterable[_builtins.int] | None = ...,
+        num_top_logprobs: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copies", b"copies", "sequences", b"sequences", "step_id", b"step_id", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table_lens", b"block_table_lens", "block_tables", b"block_tables", "copies", b"copies", "num_tokens", b"num_tokens", "num_top_logprobs", b"num_top_logprobs", "sample", b"sample", "seed", b"seed", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "start_positions", b"start_positions", "step_id", b"step_id", "swap_in", b"swap_in", "swap_out", b"swap_out", "temperature", b"temperature", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ExecuteRequest: _TypeAlias = ExecuteRequest  # noqa: Y015
 
 @_typing.final
-class SampledToken(_message.Message):
+class ExecuteResponse(_message.Message):
+    """The sampled tokens: one entry per sequence with `sample` set, in request order, as parallel packed
+    arrays (one array per field, not one message per token: the frontend reads them every step).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
-    SEQ_ID_FIELD_NUMBER: _builtins.int
-    TOKEN_ID_FIELD_NUMBER: _builtins.int
-    LOGPROB_FIELD_NUMBER: _builtins.int
+    SEQ_IDS_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    NUM_TOP_FIELD_NUMBER: _builtins.int
     TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
-    seq_id: _builtins.int
-    token_id: _builtins.int
-    logprob: _builtins.float
+    @_builtins.property
+    def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """of the chosen token, under the model's distribution"""
+
+    @_builtins.property
+    def num_top(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """num_top[i] entries of top_token_ids and top_logprobs belong to token i, in order (empty when no
+        sequence asked for top logprobs).
+        """
+
     @_builtins.property
     def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -192,37 +202,16 @@ class SampledToken(_message.Message):
     def __init__(
         self,
         *,
-        seq_id: _builtins.int = ...,
-        token_id: _builtins.int = ...,
-        logprob: _builtins.float = ...,
+        seq_ids: _abc.Iterable[_builtins.int] | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        num_top: _abc.Iterable[_builtins.int] | None = ...,
         top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___SampledToken: _TypeAlias = SampledToken  # noqa: Y015
-
-@_typing.final
-class ExecuteResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    TOKENS_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___SampledToken]:
-        """one per sequence with sample set, in request order"""
-
-    def __init__(
-        self,
-        *,
-        tokens: _abc.Iterable[Global___SampledToken] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "num_top", b"num_top", "seq_ids", b"seq_ids", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

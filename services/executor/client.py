@@ -12,26 +12,38 @@ from .step_types import ExecutorInfo, SampledToken, StepInput
 
 
 def step_to_proto(step: StepInput) -> pb.ExecuteRequest:
-    request = pb.ExecuteRequest(
+    seqs = step.sequences
+    sampled = [s.sampling for s in seqs if s.sampling is not None]
+    return pb.ExecuteRequest(
         swap_out=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_out],
         swap_in=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_in],
         copies=[pb.BlockCopy(src=s, dst=d) for s, d in step.copies],
         step_id=step.step_id,
+        seq_ids=[s.seq_id for s in seqs],
+        num_tokens=[len(s.token_ids) for s in seqs],
+        start_positions=[s.start_position for s in seqs],
+        block_table_lens=[len(s.block_table) for s in seqs],
+        sample=[s.sampling is not None for s in seqs],
+        token_ids=[t for s in seqs for t in s.token_ids],
+        slot_mapping=[slot for s in seqs for slot in s.slot_mapping],
+        block_tables=[b for s in seqs for b in s.block_table],
+        temperature=[p.temperature for p in sampled],
+        top_k=[p.top_k for p in sampled],
+        top_p=[p.top_p for p in sampled],
+        seed=[p.seed for p in sampled],
+        num_top_logprobs=[p.num_top_logprobs for p in sampled],
     )
-    for seq in step.sequences:
-        out = request.sequences.add(seq_id=seq.seq_id, token_ids=seq.token_ids, start_position=seq.start_position,
-                                    block_table=seq.block_table, slot_mapping=seq.slot_mapping,
-                                    sample=seq.sampling is not None)
-        if seq.sampling is not None:
-            s = seq.sampling
-            out.sampling.CopyFrom(pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                                    seed=s.seed, num_top_logprobs=s.num_top_logprobs))
-    return request
 
 
 def tokens_from_proto(response: pb.ExecuteResponse) -> list[SampledToken]:
-    return [SampledToken(t.seq_id, t.token_id, t.logprob, list(t.top_token_ids), list(t.top_logprobs))
-            for t in response.tokens]
+    r = response
+    if not r.num_top:  # no top logprobs asked for: the common case
+        return [SampledToken(s, t, lp, [], []) for s, t, lp in zip(r.seq_ids, r.token_ids, r.logprobs, strict=True)]
+    tokens, top_ids, top_values, at = [], list(r.top_token_ids), list(r.top_logprobs), 0
+    for s, t, lp, n in zip(r.seq_ids, r.token_ids, r.logprobs, r.num_top, strict=True):
+        tokens.append(SampledToken(s, t, lp, top_ids[at : at + n], top_values[at : at + n]))
+        at += n
+    return tokens
 
 
 class RunningStep:

@@ -14,37 +14,59 @@ import grpc.aio
 
 from ...protos import executor_pb2 as pb
 from ...protos import executor_pb2_grpc as pb_grpc
-from ..common.errors import NotReady
+from ..common.errors import InvalidRequest, NotReady
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from .engine_config import build_runner
 from .options import ExecutorConfig, add_executor_arguments
 from .runner import ModelRunner
-from .step_types import LAST_SAMPLED, SamplingParams, SequenceInput, StepInput
+from .step_types import LAST_SAMPLED, SampledToken, SamplingParams, SequenceInput, StepInput
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 
 
-def step_from_proto(request: pb.ExecuteRequest) -> StepInput:
-    sequences = []
-    for seq in request.sequences:
-        sampling = None
-        if seq.sample:
-            s = seq.sampling
-            sampling = SamplingParams(
-                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p if s.top_p > 0 else 1.0,
-                seed=s.seed, num_top_logprobs=s.num_top_logprobs,
-            )
-        sequences.append(SequenceInput(
-            seq.seq_id, list(seq.token_ids), seq.start_position, list(seq.block_table), list(seq.slot_mapping),
-            sampling,
-        ))
+def step_from_proto(r: pb.ExecuteRequest) -> StepInput:
+    """Splits the packed arrays into sequences; InvalidRequest when their lengths disagree."""
+    num_seqs = len(r.seq_ids)
+    for name in ("num_tokens", "start_positions", "block_table_lens", "sample"):
+        if len(getattr(r, name)) != num_seqs:
+            raise InvalidRequest(f"{name}: {len(getattr(r, name))} entries for {num_seqs} sequences")
+    num_tokens, table_lens = list(r.num_tokens), list(r.block_table_lens)
+    for name, wanted in (("token_ids", sum(num_tokens)), ("slot_mapping", sum(num_tokens)),
+                         ("block_tables", sum(table_lens))):
+        if len(getattr(r, name)) != wanted:
+            raise InvalidRequest(f"{name}: {len(getattr(r, name))} entries, the sequences' lengths add up to {wanted}")
+    flags = list(r.sample)
+    num_sampled = sum(flags)
+    for name in ("temperature", "top_k", "top_p", "seed", "num_top_logprobs"):
+        if len(getattr(r, name)) != num_sampled:
+            raise InvalidRequest(f"{name}: {len(getattr(r, name))} entries for {num_sampled} sequences that sample")
+    params = iter([SamplingParams(temperature=t, top_k=k, top_p=p if p > 0 else 1.0, seed=seed, num_top_logprobs=n)
+                   for t, k, p, seed, n in zip(r.temperature, r.top_k, r.top_p, r.seed, r.num_top_logprobs,
+                                               strict=True)])
+    tokens, slots, tables = list(r.token_ids), list(r.slot_mapping), list(r.block_tables)
+    sequences, at, table_at = [], 0, 0
+    for seq_id, n, start, table_len, sample in zip(r.seq_ids, num_tokens, r.start_positions, table_lens, flags,
+                                                           strict=True):
+        sequences.append(SequenceInput(seq_id, tokens[at : at + n], start, tables[table_at : table_at + table_len],
+                                       slots[at : at + n], next(params) if sample else None))
+        at, table_at = at + n, table_at + table_len
     return StepInput(
         sequences,
-        swap_out=[(c.src, c.dst) for c in request.swap_out],
-        swap_in=[(c.src, c.dst) for c in request.swap_in],
-        copies=[(c.src, c.dst) for c in request.copies],
-        step_id=request.step_id,
+        swap_out=[(c.src, c.dst) for c in r.swap_out],
+        swap_in=[(c.src, c.dst) for c in r.swap_in],
+        copies=[(c.src, c.dst) for c in r.copies],
+        step_id=r.step_id,
     )
+
+
+def tokens_to_proto(tokens: list[SampledToken]) -> pb.ExecuteResponse:
+    response = pb.ExecuteResponse(seq_ids=[t.seq_id for t in tokens], token_ids=[t.token_id for t in tokens],
+                                  logprobs=[t.logprob for t in tokens])
+    if any(t.top_token_ids for t in tokens):
+        response.num_top.extend(len(t.top_token_ids) for t in tokens)
+        response.top_token_ids.extend(i for t in tokens for i in t.top_token_ids)
+        response.top_logprobs.extend(v for t in tokens for v in t.top_logprobs)
+    return response
 
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
@@ -85,11 +107,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             self.num_outstanding -= 1
             async with self.order:
                 self.order.notify_all()
-        return pb.ExecuteResponse(tokens=[
-            pb.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob,
-                            top_token_ids=t.top_token_ids, top_logprobs=t.top_logprobs)
-            for t in tokens
-        ])
+        return tokens_to_proto(tokens)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         if self.info is None:

@@ -97,7 +97,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         choices: dict[int, pb.Completion] = {}
         response = pb.CompleteResponse()
-        async for chunk in self._generate(request, context, stream_text=False):
+        async for chunk in self._generate(request, context, unary=True):
             response.request_id = chunk.request_id
             choice = choices.setdefault(chunk.index, pb.Completion(index=chunk.index))
             choice.text += chunk.text
@@ -111,20 +111,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return response
 
     async def _generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, stream_text: bool = True
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, unary: bool = False
     ) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's chunks as they come; for a unary call without stop strings (nothing to match while
+        the text grows), one chunk per sample at the end, read from the finished request."""
         if request.model and request.model != self.info.model:
             raise InvalidRequest(f"model: {request.model!r} is not served here; this pod serves {self.info.model!r}")
         prompt = self._prompt(request)
         params = generation_params(request.params)
         stop = list(request.params.stop)
-        samples = [self._sample(prompt, stop, text_at_end=not (stream_text or stop)) for _ in range(params.n)]
+        at_end = unary and not stop
+        samples = [self._sample(prompt, stop, text_at_end=at_end) for _ in range(params.n)]
         want_logprobs = request.params.HasField("logprobs")
         request_id = uuid.uuid4().hex
         span = trace.get_current_span()  # the call's server span (a no-op one when tracing is off)
         span.set_attributes({"pagedserve.request_id": request_id, "gen_ai.usage.input_tokens": len(prompt),
                              "gen_ai.request.max_tokens": params.max_tokens})
-        events = self.loop.submit(request_id, prompt, params, self._tenant_salt(context))
+        events = self.loop.submit(request_id, prompt, params, self._tenant_salt(context), final_only=at_end)
         engine_request: Request | None = None
         over = False
         try:
@@ -132,14 +135,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             while (event := await events.get()) is not None:
                 if isinstance(event, BaseException):
                     raise event
-                if engine_request is None:
+                if engine_request is None and not at_end:
                     span.add_event("first_token")
                 engine_request = event.request
-                for output in event.outputs:
+                for output in [] if at_end else event.outputs:
                     chunk = self._chunk(request_id, samples, output, want_logprobs)
                     if chunk is not None:
                         yield chunk
             over = True
+            if at_end and engine_request is not None:  # the engine no longer touches it
+                for seq in sorted(engine_request.seqs, key=lambda s: s.index):
+                    whole = SequenceOutput(seq.seq_id, seq.index, seq.output_token_ids, seq.finish_reason,
+                                           seq.logprobs, seq.top_logprobs)
+                    chunk = self._chunk(request_id, samples, whole, want_logprobs)
+                    if chunk is not None:
+                        yield chunk
             usage = self._usage(engine_request, prompt, samples)
             span.set_attributes({
                 "gen_ai.usage.output_tokens": usage.completion_tokens, "pagedserve.ttft_ms": usage.ttft_ms,

@@ -35,6 +35,7 @@ class _Subscriber:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Event]
     span: trace.SpanContext  # the request's Generate span: each step it is part of links to it
+    final_only: bool = False  # wants only the request's end (a unary call reads its outputs from the request)
 
 
 def _post(posts: list[tuple[_Subscriber, Event]]) -> None:
@@ -78,12 +79,15 @@ class EngineLoop:
     # ---- called from the API's event loop ------------------------------------------------------------
 
     def submit(
-        self, request_id: str, prompt: list[int], params: GenerationParams, tenant_salt: bytes
+        self, request_id: str, prompt: list[int], params: GenerationParams, tenant_salt: bytes,
+        final_only: bool = False,
     ) -> asyncio.Queue[Event]:
-        """Validates now (raising InvalidRequest or OutOfCapacity), then queues the request."""
+        """Validates now (raising InvalidRequest or OutOfCapacity), then queues the request. With final_only,
+        only its last output and the end come back (no wake-up per step for a caller that waits for all)."""
         self.engine.check(prompt, params)
         events: asyncio.Queue[Event] = asyncio.Queue()
-        subscriber = _Subscriber(asyncio.get_running_loop(), events, trace.get_current_span().get_span_context())
+        subscriber = _Subscriber(asyncio.get_running_loop(), events, trace.get_current_span().get_span_context(),
+                                 final_only)
         self._call(lambda: self._add(request_id, prompt, params, tenant_salt, subscriber))
         return events
 
@@ -164,7 +168,7 @@ class EngineLoop:
             request = output.request
             self.metrics.record_tokens(sum(len(o.new_token_ids) for o in output.outputs))
             subscriber = self._subscribers.get(request.request_id)
-            if subscriber is not None:
+            if subscriber is not None and (request.finished or not subscriber.final_only):
                 posts.append((subscriber, output))
             if request.finished:
                 posts += self._close(request.request_id, request)

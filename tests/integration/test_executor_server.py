@@ -14,6 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.protos import executor_pb2 as pb
 from pagedserve.protos import executor_pb2_grpc as pb_grpc
 from pagedserve.services.common.processes import ServiceProcess, running_service, start_service, stop_service
+from pagedserve.services.executor.client import step_to_proto, tokens_from_proto
+from pagedserve.services.executor.step_types import SampledToken, SamplingParams, SequenceInput, StepInput
 
 BLOCK = 4
 
@@ -32,10 +34,18 @@ def stub(executor: ServiceProcess) -> Iterator[pb_grpc.ExecutorStub]:
         yield pb_grpc.ExecutorStub(channel)
 
 
-def seq_step(seq_id: int, tokens: list[int], start: int, table: list[int], sample: bool = True) -> pb.SequenceStep:
+def seq_step(seq_id: int, tokens: list[int], start: int, table: list[int], sample: bool = True) -> SequenceInput:
     slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + len(tokens))]
-    return pb.SequenceStep(seq_id=seq_id, token_ids=tokens, start_position=start, block_table=table,
-                           slot_mapping=slots, sample=sample, sampling=pb.SamplingParams(num_top_logprobs=3))
+    return SequenceInput(seq_id, tokens, start, table, slots, SamplingParams(num_top_logprobs=3) if sample else None)
+
+
+def step(*sequences: SequenceInput, step_id: int = 0, copies: list[tuple[int, int]] | None = None) -> pb.ExecuteRequest:
+    """The request the frontend's client builds (packed arrays) for these sequences."""
+    return step_to_proto(StepInput(list(sequences), copies=copies or [], step_id=step_id))
+
+
+def tokens(response: pb.ExecuteResponse) -> list[SampledToken]:
+    return tokens_from_proto(response)
 
 
 def test_info_reports_the_cache_geometry(stub: pb_grpc.ExecutorStub) -> None:
@@ -51,19 +61,18 @@ def test_prefill_then_decode_match_hf_greedy(stub: pb_grpc.ExecutorStub, tiny_ll
     hf = LlamaForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
     expected = hf.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False, pad_token_id=0)[0, 6:].tolist()
     table = [7, 3]  # non-contiguous blocks, in any order
-    token = stub.Execute(pb.ExecuteRequest(sequences=[seq_step(1, prompt, 0, table)])).tokens[0]
+    token = tokens(stub.Execute(step(seq_step(1, prompt, 0, table))))[0]
     assert token.seq_id == 1 and token.token_id == expected[0]
     assert token.top_token_ids[0] == token.token_id and token.logprob == pytest.approx(token.top_logprobs[0])
     got = [token.token_id]
     for position in (6, 7):
-        t = stub.Execute(pb.ExecuteRequest(sequences=[seq_step(1, [got[-1]], position, table)])).tokens[0]
+        t = tokens(stub.Execute(step(seq_step(1, [got[-1]], position, table))))[0]
         got.append(t.token_id)
     assert got == expected
     # copy-on-write applies before the forward pass: a fork copied into block 9 continues identically
-    request = pb.ExecuteRequest(sequences=[seq_step(2, [got[-1]], 8, [7, 3, 9])],
-                                copies=[pb.BlockCopy(src=3, dst=9)])
-    forked = stub.Execute(request).tokens[0]
-    again = stub.Execute(pb.ExecuteRequest(sequences=[seq_step(1, [got[-1]], 8, [7, 3, 11])])).tokens[0]
+    request = step(seq_step(2, [got[-1]], 8, [7, 3, 9]), copies=[(3, 9)])
+    forked = tokens(stub.Execute(request))[0]
+    again = tokens(stub.Execute(step(seq_step(1, [got[-1]], 8, [7, 3, 11]))))[0]
     assert forked.token_id == again.token_id
 
 
@@ -71,22 +80,21 @@ def test_overlapped_steps_feed_the_tokens_they_sampled_forward(stub: pb_grpc.Exe
     """Steps 2 and 3 are sent before step 1 answers, each with LAST_SAMPLED (-1) as its input: the executor
     runs them in order and gives the tokens that serial steps with known inputs give."""
     prompt, table = [5, 17, 42, 8, 9, 60], [12, 13, 14]
-    serial = [stub.Execute(pb.ExecuteRequest(sequences=[seq_step(1, prompt, 0, table)])).tokens[0].token_id]
+    serial = [tokens(stub.Execute(step(seq_step(1, prompt, 0, table))))[0].token_id]
     for position in (6, 7):
-        request = pb.ExecuteRequest(sequences=[seq_step(1, [serial[-1]], position, table)])
-        serial.append(stub.Execute(request).tokens[0].token_id)
-    base = stub.Execute(pb.ExecuteRequest()).tokens  # any step number may start a run of overlapped steps
+        request = step(seq_step(1, [serial[-1]], position, table))
+        serial.append(tokens(stub.Execute(request))[0].token_id)
+    base = tokens(stub.Execute(pb.ExecuteRequest()))  # any step number may start a run of overlapped steps
     assert not base
-    futures = [stub.Execute.future(pb.ExecuteRequest(sequences=[seq_step(1, prompt, 0, table)], step_id=41))]
+    futures = [stub.Execute.future(step(seq_step(1, prompt, 0, table), step_id=41))]
     for step_id, position in ((42, 6), (43, 7)):
-        futures.append(stub.Execute.future(pb.ExecuteRequest(sequences=[seq_step(1, [-1], position, table)],
-                                                              step_id=step_id)))
-    assert [f.result().tokens[0].token_id for f in futures] == serial
+        futures.append(stub.Execute.future(step(seq_step(1, [-1], position, table), step_id=step_id)))
+    assert [tokens(f.result())[0].token_id for f in futures] == serial
     for request, message in (
-        (pb.ExecuteRequest(sequences=[seq_step(1, [-1], 8, table)], step_id=45), "last step run was 43"),
-        (pb.ExecuteRequest(sequences=[seq_step(1, [-1], 8, table)]), "last step run was"),
-        (pb.ExecuteRequest(sequences=[seq_step(2, [-1], 8, table)], step_id=44), "no token for sequence 2"),
-        (pb.ExecuteRequest(sequences=[seq_step(1, [-1, 5], 8, table)], step_id=44), "stands alone"),
+        (step(seq_step(1, [-1], 8, table), step_id=45), "last step run was 43"),
+        (step(seq_step(1, [-1], 8, table)), "last step run was"),
+        (step(seq_step(2, [-1], 8, table), step_id=44), "no token for sequence 2"),
+        (step(seq_step(1, [-1, 5], 8, table), step_id=44), "stands alone"),
     ):
         with pytest.raises(grpc.RpcError) as info:
             stub.Execute(request, timeout=30)
@@ -94,23 +102,24 @@ def test_overlapped_steps_feed_the_tokens_they_sampled_forward(stub: pb_grpc.Exe
 
 
 BAD = [
-    (seq_step(1, [500], 0, [0]), "token id 500 outside the vocabulary"),
-    (seq_step(1, [5], 300, [0] * 80), "exceed the context"),
-    (seq_step(1, [5, 6], 0, [40]), "block_table: 40 outside"),
-    (pb.SequenceStep(seq_id=1, token_ids=[5, 6], block_table=[0], slot_mapping=[0]), "2 tokens"),
-    (pb.SequenceStep(seq_id=1, token_ids=[5], block_table=[0], slot_mapping=[3]), "not in its block"),
-    (pb.SequenceStep(seq_id=1, token_ids=[5, 6, 7, 8, 9], block_table=[0], slot_mapping=[0, 1, 2, 3, 4]),
-     "cannot hold"),
-    (pb.SequenceStep(seq_id=1, token_ids=[], block_table=[0]), "must not be empty"),
+    (step(seq_step(1, [500], 0, [0])), "token id 500 outside the vocabulary"),
+    (step(seq_step(1, [5], 300, [0] * 80)), "exceed the context"),
+    (step(seq_step(1, [5, 6], 0, [40])), "block_table: 40 outside"),
+    (step(SequenceInput(1, [5, 6], 0, [0], [0])), "slot_mapping: 1 entries, the sequences' lengths add up to 2"),
+    (step(SequenceInput(1, [5], 0, [0], [3])), "not in its block"),
+    (step(SequenceInput(1, [5, 6, 7, 8, 9], 0, [0], [0, 1, 2, 3, 4])), "cannot hold"),
+    (step(SequenceInput(1, [], 0, [0], [])), "must not be empty"),
+    (pb.ExecuteRequest(seq_ids=[1, 2], num_tokens=[1], start_positions=[0, 0], block_table_lens=[1, 1],
+                       sample=[False, False]), "num_tokens: 1 entries for 2 sequences"),
+    (pb.ExecuteRequest(seq_ids=[1], num_tokens=[1], start_positions=[0], block_table_lens=[1], sample=[True],
+                       token_ids=[5], slot_mapping=[0], block_tables=[0]), "temperature: 0 entries for 1 sequences"),
 ]
 
 
-@pytest.mark.parametrize(("sequence", "message"), BAD)
-def test_bad_input_answers_invalid_argument(
-    stub: pb_grpc.ExecutorStub, sequence: pb.SequenceStep, message: str
-) -> None:
+@pytest.mark.parametrize(("bad", "message"), BAD)
+def test_bad_input_answers_invalid_argument(stub: pb_grpc.ExecutorStub, bad: pb.ExecuteRequest, message: str) -> None:
     with pytest.raises(grpc.RpcError) as info:
-        stub.Execute(pb.ExecuteRequest(sequences=[sequence]))
+        stub.Execute(bad)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
 
 
@@ -125,11 +134,11 @@ def test_bad_block_copies_and_swaps(stub: pb_grpc.ExecutorStub) -> None:
 
 def test_swap_round_trip_preserves_the_cache(stub: pb_grpc.ExecutorStub) -> None:
     prompt = [3, 4, 5, 6, 7]
-    first = stub.Execute(pb.ExecuteRequest(sequences=[seq_step(5, prompt, 0, [20, 21])])).tokens[0].token_id
+    first = tokens(stub.Execute(step(seq_step(5, prompt, 0, [20, 21]))))[0].token_id
     stub.Execute(pb.ExecuteRequest(swap_out=[pb.BlockCopy(src=20, dst=0), pb.BlockCopy(src=21, dst=1)]))
     stub.Execute(pb.ExecuteRequest(swap_in=[pb.BlockCopy(src=0, dst=25), pb.BlockCopy(src=1, dst=26)]))
-    after_swap = stub.Execute(pb.ExecuteRequest(sequences=[seq_step(5, [first], 5, [25, 26])])).tokens[0]
-    in_place = stub.Execute(pb.ExecuteRequest(sequences=[seq_step(5, [first], 5, [20, 21])])).tokens[0]
+    after_swap = tokens(stub.Execute(step(seq_step(5, [first], 5, [25, 26]))))[0]
+    in_place = tokens(stub.Execute(step(seq_step(5, [first], 5, [20, 21]))))[0]
     assert after_swap.token_id == in_place.token_id and after_swap.logprob == pytest.approx(in_place.logprob)
 
 
