@@ -20,10 +20,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy
 
 from ..protos import inference_pb2 as pb
 from ..protos import inference_pb2_grpc as pb_grpc
@@ -78,10 +81,9 @@ def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: boo
                 stub = pb_grpc.InferenceStub(channel)
                 request = pb.GenerateRequest(text=PROMPT, params=pb.GenerationParameters(
                     max_tokens=tokens, ignore_eos=True))
-                cpu_before = [_cpu_seconds(service.proc.pid) for service in services]
-                futures = [stub.Complete.future(request, timeout=600) for _ in range(num_seqs)]
-                texts = {f.result().choices[0].text for f in futures}
-                cpu = [_cpu_seconds(service.proc.pid) - before for service, before in zip(services, cpu_before)]
+                with CpuSampler([service.proc.pid for service in services]) as cpu:
+                    futures = [stub.Complete.future(request, timeout=600) for _ in range(num_seqs)]
+                    texts = {f.result().choices[0].text for f in futures}
         finally:
             for service in reversed(services):
                 stop_service(service)
@@ -93,14 +95,42 @@ def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: boo
         raise RuntimeError(f"only {len(full)} steps ran all {num_seqs} sequences: raise --tokens")
     busy = sum(end - start for start, end in full)
     wall = full[-1][1] - full[0][0]
+    block_manager_cpu, frontend_cpu = cpu.between(full[0][0], full[-1][1])
     return {"overhead_frac": round(1 - busy / wall, 4), "steps": len(full), "texts": sorted(texts),
             "gap_ms_mean": round((wall - busy) / (len(full) - 1) * 1000, 3),
-            "frontend_cpu_ms_per_step": round(cpu[1] / len(timeline) * 1000, 3),
-            "block_manager_cpu_ms_per_step": round(cpu[0] / len(timeline) * 1000, 3)}
+            "frontend_cpu_ms_per_step": round(frontend_cpu / (len(full) - 1) * 1000, 3),
+            "block_manager_cpu_ms_per_step": round(block_manager_cpu / (len(full) - 1) * 1000, 3)}
+
+
+class CpuSampler:
+    """Samples processes' CPU time (user + system, all threads, from /proc) every 20 ms on a thread, so that
+    the CPU spent within a window of the stand-in's timeline (same monotonic clock) can be read afterwards."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids, self.samples = pids, [(time.perf_counter(), [_cpu_seconds(p) for p in pids])]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.samples.append((time.perf_counter(), [_cpu_seconds(p) for p in self.pids]))
+
+    def between(self, start: float, end: float) -> list[float]:
+        """CPU seconds of each process from start to end (linear between the samples around them)."""
+        times = [t for t, _ in self.samples]
+        return [float(numpy.interp(end, times, [c[i] for _, c in self.samples])
+                      - numpy.interp(start, times, [c[i] for _, c in self.samples])) for i in range(len(self.pids))]
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (both threads of the frontend included)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
