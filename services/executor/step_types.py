@@ -38,8 +38,7 @@ class SampledToken(NamedTuple):
     top_logprobs: list[float]
 
 
-@dataclass(frozen=True)
-class SequenceInput:
+class SequenceInput(NamedTuple):  # a tuple: hundreds are built every step
     seq_id: int
     token_ids: Sequence[int]  # tokens whose KV is computed this step ([LAST_SAMPLED]: not known to the sender)
     start_position: int  # position of token_ids[0]

@@ -127,7 +127,7 @@ class SequenceState:
         return self.request.params.sampling_for(self.request.seed + self.index)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass is three times slower to build, and one is built per token
 class SequenceOutput:
     seq_id: int
     index: int
