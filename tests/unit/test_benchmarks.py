@@ -102,3 +102,23 @@ def test_bench_autoscale_json_on_a_short_day(tmp_path: Path) -> None:
     assert result["trace"]["num_requests"] > 0 and len(result["trace"]["bursts_start_h"]) == 1
     assert result["plot"] == str(plot) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(out.read_text()) == result
+
+
+def test_bench_offline_json_smoke(tmp_path: Path) -> None:
+    """The offline benchmark without its peer on a tiny workload: every key, positive rates, matches in [0, 1]
+    (greedy agreement is reported, not asserted). `--peer vllm` without the peer venv names the setup script."""
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    cmd = [sys.executable, "-m", "pagedserve", "bench", "offline", "--json", "--prompts", "2", "--new-tokens", "4",
+           "--kv-cache-mib", "64", "--out", str(tmp_path / "offline.json")]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600, env=env)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["tok_s"] > 0 and result["hf_tok_s"] > 0
+    assert result["ratio_vs_hf"] == pytest.approx(result["tok_s"] / result["hf_tok_s"], rel=0.05)
+    assert 0.0 <= result["greedy_match_vs_hf"] <= result["greedy_prefix_vs_hf"] <= 1.0
+    assert result["prompts"] == 2 and result["new_tokens"] == 4 and result["torch_threads"] > 0
+    assert result["cpu_model"] and "peer_tok_s" not in result
+    assert json.loads((tmp_path / "offline.json").read_text()) == result
+
+    missing = subprocess.run([*cmd[:-2], "--peer", "vllm", "--peer-venv", str(tmp_path / "no-venv")],
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert missing.returncode != 0 and "benchmarks/peers/setup-vllm.sh" in missing.stderr

@@ -1,0 +1,194 @@
+"""`pagedserve bench offline`: one offline batch through `pagedserve.LLM`, HF `generate()` and, with
+`--peer vllm`, vLLM's CPU build: 64 distinct prompts x 128 new tokens, greedy, EOS ignored, fp32, CPU.
+
+All sides get the same prompt token ids (tokenized once, with the model's tokenizer) and are timed over
+the whole call, prefill included, after a small warm-up. HF runs one left-padded static batch; vLLM runs
+in a subprocess under its own venv (benchmarks/peers/setup-vllm.sh) on an HF export of the same weights
+(benchmarks/peers/hf_export.py). Greedy outputs are compared, not asserted: fp32 on identical ids should
+mostly agree, and where two near-tied logits meet, summation order alone can flip a token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .executor import TEXTS, bench_hf, bench_ours
+from .report import emit
+
+PEERS_DIR = Path(__file__).resolve().parent / "peers"
+DEFAULT_VLLM_VENV = PEERS_DIR / ".venv-vllm"
+# how each round over TEXTS is worded, so that every prompt is distinct
+FRAMES = ["{text}", "Continue the text: {text}", "Read this, then go on.\n\n{text}", "Notes, part {round}: {text}"]
+
+
+def prompt_texts(count: int) -> list[str]:
+    texts = []
+    for i in range(count):
+        round_ = i // len(TEXTS)
+        text = FRAMES[round_ % len(FRAMES)].format(text=TEXTS[i % len(TEXTS)], round=round_)
+        texts.append(text if round_ < len(FRAMES) else f"{text} ({round_})")
+    assert len(set(texts)) == count
+    return texts
+
+
+def run_ours(llm: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]], int]:
+    """Tokens/s, the generated ids, and the number of preemptions (0 unless the KV cache ran short)."""
+    from ..services.frontend.request import GenerationParams
+
+    params = GenerationParams(max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, progress=False)
+    elapsed = time.perf_counter() - start
+    outputs = [list(r.outputs[0].token_ids) for r in results]
+    assert all(len(o) == new_tokens for o in outputs)
+    return len(prompts) * new_tokens / elapsed, outputs, sum(r.num_preemptions for r in results)
+
+
+def run_hf(model: Any, pad_token_id: int, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """One left-padded static batch. EOS neither stops nor is masked (no `min_new_tokens`, which would
+    forbid it): the same rule as `ignore_eos` on the other sides, so greedy outputs are comparable."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts])  # [batch, width]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    config = copy.deepcopy(model.generation_config)
+    # [], not None: None falls back to the model's EOS, which stops a sequence and pads the rest of it
+    config.update(eos_token_id=[], max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_token_id)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)  # [batch, width + new]
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] == width + new_tokens
+    return len(prompts) * new_tokens / elapsed, out[:, width:].tolist()
+
+
+def vllm_python(venv: Path) -> Path:
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        raise SystemExit(f"--peer vllm: no vLLM venv at {venv}; create it with benchmarks/peers/setup-vllm.sh "
+                         "(or give --peer-venv)")
+    return python
+
+
+def run_vllm(python: Path, hf_dir: Path, prompts: list[list[int]], new_tokens: int, kv_cache_mib: int, repeats: int,
+             eager: bool) -> dict[str, Any]:
+    """benchmarks/peers/vllm_offline.py under the peer venv's python; its last JSON line is the result, plus
+    the CPUs its worker's OpenMP threads were bound to (from its log: on a small machine vLLM keeps one CPU
+    for its engine-core process, VLLM_CPU_NUM_OF_RESERVED_CPU=0 overrides)."""
+    with tempfile.TemporaryDirectory(prefix="pagedserve-offline-") as scratch:
+        prompts_file = Path(scratch) / "prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        cmd = [str(python), str(PEERS_DIR / "vllm_offline.py"), "--model", str(hf_dir), "--prompts", str(prompts_file),
+               "--new-tokens", str(new_tokens), "--kv-cache-mib", str(kv_cache_mib), "--repeats", str(repeats),
+               *(["--enforce-eager"] if eager else [])]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONSAFEPATH": "1"}
+        done = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+        raise RuntimeError(f"the vLLM runner failed (exit {done.returncode}):\n{tail}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    bound = re.search(r"core ids=\[([\d, ]*)\]", done.stdout + done.stderr)
+    result["omp_cpus"] = [int(c) for c in bound.group(1).split(",") if c.strip()] if bound else None
+    return result
+
+
+def greedy_match(ours: list[list[int]], theirs: list[list[int]]) -> tuple[float, float]:
+    """The fraction of prompts whose outputs are equal, and the mean fraction of tokens before they part."""
+    equal = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a)) / len(a)
+              for a, b in zip(ours, theirs, strict=True)]
+    return equal / len(ours), statistics.fmean(prefix)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.add_argument("--out", type=Path, help="also write the JSON object to this file")
+    parser.add_argument("--model", default="smollm2-135m", help="a registered name, .gguf file or HF directory")
+    parser.add_argument("--prompts", type=int, default=64, help="distinct prompts, all in one batch")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--kv-cache-mib", type=int, default=1024, help="KV budget of pagedserve and of vLLM")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per side; medians are reported")
+    parser.add_argument("--peer", choices=["vllm"], help="also run this engine (in its own venv)")
+    parser.add_argument("--peer-venv", type=Path, default=DEFAULT_VLLM_VENV)
+    parser.add_argument("--peer-eager", action="store_true", help="vLLM without torch.compile")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from ..services.executor.model.registry import resolve_model
+    from ..services.frontend.llm import LLM
+
+    peer_python = vllm_python(args.peer_venv) if args.peer == "vllm" else None  # fail before minutes of work
+    llm = LLM(args.model, device="cpu", dtype="float32", max_num_seqs=args.prompts, max_num_batched_tokens=2048,
+              kv_cache_mib=args.kv_cache_mib)
+    prompts = [list(llm.tokenizer.encode(t, add_special_tokens=False)) for t in prompt_texts(args.prompts)]
+    source = resolve_model(args.model)
+    hf_kwargs: dict[str, Any] = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
+    folder = source.path.parent if source.kind == "gguf" else source.path
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True, **hf_kwargs).eval()
+    pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+
+    bench_ours(llm, prompts[:2], 4)  # warm-up
+    bench_hf(hf, llm.tokenizer, prompts[:2], 4)
+    ours_rates, hf_rates = [], []
+    for _ in range(args.repeats):  # alternate, so a burst of load elsewhere hits both sides alike
+        rate, ours, preemptions = run_ours(llm, prompts, args.new_tokens)
+        ours_rates.append(rate)
+        rate, theirs = run_hf(hf, pad, prompts, args.new_tokens)
+        hf_rates.append(rate)
+    tok_s, hf_tok_s = statistics.median(ours_rates), statistics.median(hf_rates)
+    match_hf, prefix_hf = greedy_match(ours, theirs)
+    result: dict[str, Any] = {
+        "tok_s": round(tok_s, 1), "hf_tok_s": round(hf_tok_s, 1), "ratio_vs_hf": round(tok_s / hf_tok_s, 3),
+        "greedy_match_vs_hf": round(match_hf, 3), "greedy_prefix_vs_hf": round(prefix_hf, 3),
+    }
+    if peer_python is not None:
+        from .peers.hf_export import export_hf
+
+        del hf  # the peer gets the machine to itself
+        peer = run_vllm(peer_python, export_hf(args.model), prompts, args.new_tokens, args.kv_cache_mib,
+                        args.repeats, args.peer_eager)
+        match_peer, prefix_peer = greedy_match(ours, peer["token_ids"])
+        result |= {
+            "peer": "vllm", "peer_tok_s": round(peer["tok_s"], 1), "ratio_vs_peer": round(tok_s / peer["tok_s"], 3),
+            "greedy_match_vs_peer": round(match_peer, 3), "greedy_prefix_vs_peer": round(prefix_peer, 3),
+            "greedy_match_peer_vs_hf": round(greedy_match(peer["token_ids"], theirs)[0], 3),
+            "peer_version": peer["vllm_version"], "peer_torch": peer["torch_version"],
+            "peer_enforce_eager": peer["enforce_eager"], "peer_omp_cpus": peer["omp_cpus"],
+        }
+    result |= {
+        "model": args.model, "prompts": len(prompts), "new_tokens": args.new_tokens,
+        "prompt_tokens_mean": round(statistics.fmean(map(len, prompts)), 1), "dtype": "float32", "device": "cpu",
+        "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(), "num_preemptions": preemptions, "repeats": args.repeats,
+        "python": sys.version.split()[0],
+    }
+    return result
+
+
+def main(args: argparse.Namespace) -> None:
+    emit(run(args), args)
