@@ -1,9 +1,10 @@
 """`pagedserve bench offline`: one offline batch through `pagedserve.LLM`, HF `generate()` and, with
 `--peer vllm`, vLLM's CPU build: 64 distinct prompts x 128 new tokens, greedy, EOS ignored, fp32, CPU.
 
-All sides get the same prompt token ids (tokenized once, with the model's tokenizer) and are timed over
-the whole call, prefill included, after a small warm-up. HF runs one left-padded static batch; vLLM runs
-in a subprocess under its own venv (benchmarks/peers/setup-vllm.sh) on an HF export of the same weights
+With `--serve`, the same batch also goes through `pagedserve serve` as unary gRPC calls (`serve_tok_s`,
+`serve_vs_offline`). All sides get the same prompt token ids (tokenized once, with the model's tokenizer)
+and are timed over the whole call, prefill included, after a small warm-up. HF runs one left-padded static
+batch; vLLM runs in a subprocess under its own venv (benchmarks/peers/setup-vllm.sh) on an HF export of the same weights
 (benchmarks/peers/hf_export.py). Greedy outputs are compared, not asserted: fp32 on identical ids should
 mostly agree, and where two near-tied logits meet, summation order alone can flip a token.
 """
@@ -105,6 +106,44 @@ def run_vllm(python: Path, hf_dir: Path, prompts: list[list[int]], new_tokens: i
     return result
 
 
+def run_served(args: argparse.Namespace, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """The same batch through `pagedserve serve` (three processes, gRPC on loopback): every prompt as a unary
+    Complete call at once, timed from the first call to the last answer; medians over --repeats."""
+    import grpc
+
+    from ..protos import inference_pb2 as pb
+    from ..protos import inference_pb2_grpc as pb_grpc
+    from ..services.common.processes import stop_service
+    from .serve import start_stack
+
+    flags = dict.fromkeys(("preemption_mode", "block_size", "threads", "ttft_slo_ms", "tpot_slo_ms"))
+    stack_args = argparse.Namespace(model=args.model, kv_cache_mib=args.kv_cache_mib, max_num_seqs=len(prompts),
+                                    max_num_batched_tokens=2048, **flags)
+    with tempfile.TemporaryFile("w+") as log:
+        stack = start_stack(stack_args, log)
+        try:
+            with grpc.insecure_channel(stack.address) as channel:
+                stub = pb_grpc.InferenceStub(channel)
+
+                def call(ids: list[int], tokens: int) -> Any:
+                    params = pb.GenerationParameters(max_tokens=tokens, ignore_eos=True)
+                    return stub.Complete.future(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), params=params),
+                                                timeout=3600)
+
+                for future in [call(p, 4) for p in prompts[:2]]:  # warm-up
+                    future.result()
+                rates, outputs = [], []
+                for _ in range(args.repeats):
+                    start = time.perf_counter()
+                    futures = [call(p, new_tokens) for p in prompts]
+                    outputs = [list(f.result().choices[0].token_ids) for f in futures]
+                    rates.append(len(prompts) * new_tokens / (time.perf_counter() - start))
+        finally:
+            stop_service(stack, grace=60)
+    assert all(len(o) == new_tokens for o in outputs)
+    return statistics.median(rates), outputs
+
+
 def greedy_match(ours: list[list[int]], theirs: list[list[int]]) -> tuple[float, float]:
     """The fraction of prompts whose outputs are equal, and the mean fraction of tokens before they part."""
     equal = sum(a == b for a, b in zip(ours, theirs, strict=True))
@@ -131,6 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="KV budget of pagedserve and of vLLM")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per side; medians are reported")
+    parser.add_argument("--serve", action="store_true",
+                        help="also run the batch through `pagedserve serve` (unary gRPC calls) and compare")
     parser.add_argument("--peer", choices=["vllm"], help="also run this engine (in its own venv)")
     parser.add_argument("--peer-venv", type=Path, default=DEFAULT_VLLM_VENV)
     parser.add_argument("--peer-eager", action="store_true", help="vLLM without torch.compile")
@@ -166,6 +207,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tok_s": round(tok_s, 1), "hf_tok_s": round(hf_tok_s, 1), "ratio_vs_hf": round(tok_s / hf_tok_s, 3),
         "greedy_match_vs_hf": round(match_hf, 3), "greedy_prefix_vs_hf": round(prefix_hf, 3),
     }
+    if args.serve:
+        serve_tok_s, served = run_served(args, prompts, args.new_tokens)
+        result |= {"serve_tok_s": round(serve_tok_s, 1), "serve_vs_offline": round(serve_tok_s / tok_s, 3),
+                   "greedy_match_serve_vs_offline": round(greedy_match(served, ours)[0], 3)}
     if peer_python is not None:
         from .peers.hf_export import export_hf
 
