@@ -274,10 +274,13 @@ class DecodeGather(NamedTuple):
     the block tables) and shared by every layer, whose caches all have the same geometry."""
 
     rows: torch.Tensor  # [num_seqs * num_kv_heads * max_len] int64: rows of cache.flatten(0, 2), (seq, head, pos)
-    mask: torch.Tensor  # [num_seqs, 1, 1, max_len] fp32: 0 where position < seq_len, else -inf (SDPA adds it)
+    mask: torch.Tensor  # [num_seqs, 1, 1, max_len] fp32: 0 where position < seq_len, else -inf (added to scores)
     empty: torch.Tensor | None  # [num_seqs, 1, 1] bool: seq_len == 0 (None when no sequence is empty)
     num_kv_heads: int
     max_len: int
+    # [num_seqs * num_heads, max_len] int64: `rows` repeated for each query head of a group (the value bags);
+    # None when the plan was made without num_heads (then each call repeats them)
+    head_rows: torch.Tensor | None = None
 
 
 def decode_gather(
@@ -286,9 +289,11 @@ def decode_gather(
     block_size: int,
     num_kv_heads: int,
     max_seq_len: int | None = None,
+    num_heads: int | None = None,
 ) -> DecodeGather:
     """The gather plan of `paged_decode_attention_gathered`. `max_seq_len`, when given, must be at least the
-    longest sequence; it only saves a reduction.
+    longest sequence; it only saves a reduction. `num_heads` (query heads), when given, plans the value
+    bags too, so that no layer repeats the rows for its query heads.
 
     A padding position (past its sequence's length) reads the sequence's last token instead: a slot the model
     has written (finite), which the mask then hides. No slot past a sequence is ever read.
@@ -302,11 +307,19 @@ def decode_gather(
     slots = block_tables.long().gather(1, positions // block_size).clamp(min=0) * block_size + positions % block_size
     heads = torch.arange(num_kv_heads, device=block_tables.device)
     rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]  # [num_seqs, num_kv_heads, max_len]
-    # An additive float mask, built once: SDPA would otherwise convert a boolean one in every layer.
+    # An additive float mask, built once: a boolean one would be converted in every layer.
     mask = torch.zeros(num_seqs, 1, 1, max_len, device=block_tables.device)
     mask.masked_fill_((steps[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
     empty = (lens == 0)[:, None, None] if bool((lens == 0).any()) else None
-    return DecodeGather(rows.flatten(), mask, empty, num_kv_heads, max_len)
+    head_rows = None if num_heads is None else _head_rows(rows, num_heads)
+    return DecodeGather(rows.flatten(), mask, empty, num_kv_heads, max_len, head_rows)
+
+
+def _head_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:  # -> [num_seqs * num_heads, max_len]
+    num_seqs, num_kv_heads, max_len = rows.shape
+    assert num_heads % num_kv_heads == 0, f"{num_heads} heads not divisible by {num_kv_heads}"
+    group = num_heads // num_kv_heads
+    return rows[:, :, None, :].expand(num_seqs, num_kv_heads, group, max_len).reshape(-1, max_len)
 
 
 def paged_decode_attention_gathered(
@@ -316,22 +329,35 @@ def paged_decode_attention_gathered(
     gather: DecodeGather,
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """The CPU serving path: every sequence's keys and values gathered into one contiguous padded batch
-    [num_seqs, num_kv_heads, max_len, head_dim] (one index_select per cache), then a single masked SDPA in
-    fp32. Contiguous K/V matter: SDPA on the CPU is ~4x slower on a transposed gather."""
+    """The CPU serving path, in fp32 whatever the cache dtype. Keys: every sequence's keys gathered into one
+    contiguous padded batch [num_seqs * num_kv_heads, max_len, head_dim] (one index_select), then one batched
+    matmul with the group's query heads as rows, the mask and a softmax. Values are not gathered: in fp32,
+    `embedding_bag` sums the value rows weighted by the probabilities straight out of the cache (one bag per
+    query head). Both are cheaper than a gather and SDPA, whose CPU kernel pays per (sequence, head) for a
+    single query row: 2.3 -> 1.6 ms per layer at 64 sequences of ~80 tokens (SmolLM2-135M, one thread)."""
     num_seqs, num_heads, head_dim = q.shape
     cache = check_kv_cache(k_cache, v_cache)
     assert cache.num_kv_heads == gather.num_kv_heads, f"cache has {cache.num_kv_heads} KV heads, plan {gather}"
+    assert num_heads % cache.num_kv_heads == 0, f"{num_heads} heads not divisible by {cache.num_kv_heads}"
     if gather.max_len == 0:
         return torch.zeros_like(q)
-    shape = (num_seqs, cache.num_kv_heads, gather.max_len, head_dim)
-    k = k_cache.flatten(0, 2).index_select(0, gather.rows).view(shape).float()
-    v = v_cache.flatten(0, 2).index_select(0, gather.rows).view(shape).float()
-    out = F.scaled_dot_product_attention(
-        q.float().unsqueeze(2), k, v, attn_mask=gather.mask, scale=scale,
-        enable_gqa=num_heads != cache.num_kv_heads,
-    ).squeeze(2)  # [num_seqs, num_heads, head_dim]
-    if gather.empty is not None:  # all keys masked: SDPA gives NaN, attention over nothing is 0
+    max_len, group = gather.max_len, num_heads // cache.num_kv_heads
+    batch = num_seqs * cache.num_kv_heads
+    keys = k_cache.flatten(0, 2).index_select(0, gather.rows).view(batch, max_len, head_dim).float()
+    queries = (q.float() * scale).reshape(batch, group, head_dim)
+    scores = torch.bmm(queries, keys.transpose(1, 2))  # [num_seqs * num_kv_heads, group, max_len]
+    scores.view(num_seqs, cache.num_kv_heads, group, max_len).add_(gather.mask)
+    probs = torch.softmax(scores, dim=-1).view(num_seqs * num_heads, max_len)
+    if v_cache.dtype == torch.float32:
+        head_rows = gather.head_rows
+        if head_rows is None or head_rows.shape[0] != num_seqs * num_heads:
+            head_rows = _head_rows(gather.rows.view(num_seqs, cache.num_kv_heads, max_len), num_heads)
+        out = F.embedding_bag(head_rows, v_cache.flatten(0, 2), per_sample_weights=probs, mode="sum")
+    else:  # embedding_bag would sum in the cache's 16-bit dtype
+        values = v_cache.flatten(0, 2).index_select(0, gather.rows).view(batch, max_len, head_dim).float()
+        out = torch.bmm(probs.view(batch, group, max_len), values)
+    out = out.view(num_seqs, num_heads, head_dim)
+    if gather.empty is not None:  # all keys masked: the softmax gives NaN, attention over nothing is 0
         out = out.masked_fill(gather.empty, 0.0)
     return out.to(q.dtype)
 
@@ -346,9 +372,9 @@ def paged_decode_attention_ref(
     *,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Torch reference and CPU path: `decode_gather` then `paged_decode_attention_gathered`, one masked SDPA
-    for the whole batch. The executor builds the gather once per step and calls the second half per layer."""
+    """Torch reference and CPU path: `decode_gather` then `paged_decode_attention_gathered`, batched over the
+    whole batch. The executor builds the gather once per step and calls the second half per layer."""
     cache = check_kv_cache(k_cache, v_cache)
     assert q.shape[0] == block_tables.shape[0], f"{q.shape[0]} queries for {block_tables.shape[0]} block tables"
-    gather = decode_gather(block_tables, seq_lens, cache.block_size, cache.num_kv_heads, max_seq_len)
+    gather = decode_gather(block_tables, seq_lens, cache.block_size, cache.num_kv_heads, max_seq_len, q.shape[1])
     return paged_decode_attention_gathered(q, k_cache, v_cache, gather, scale)

@@ -41,12 +41,12 @@ def build_attention_metadata(
     slot_mapping: list[int],
     device: torch.device,
     *,
-    gather_geometry: tuple[int, int] | None = None,
+    gather_geometry: tuple[int, int, int] | None = None,
 ) -> AttentionMetadata:
     """From per-sequence lists in which the caller placed every sequence with query_len > 1 first.
     A single-token chunk takes the decode kernel: one query at the end of its context is exactly a decode.
-    `gather_geometry` (block_size, num_kv_heads) is given on the torch path: decodes then read the cache
-    through a `DecodeGather` planned here once, not once per layer."""
+    `gather_geometry` (block_size, num_kv_heads, num_heads) is given on the torch path: decodes then read the
+    cache through a `DecodeGather` planned here once, not once per layer."""
     num_prefills = sum(1 for q in query_lens if q > 1)
     assert all(q > 1 for q in query_lens[:num_prefills]), "multi-token chunks must precede single tokens"
     max_blocks = max((len(t) for t in block_tables), default=0) or 1
@@ -65,7 +65,9 @@ def build_attention_metadata(
     max_decode_seq_len = max(decode_lens, default=0)
     gather = None
     if gather_geometry is not None and decode_lens:
-        gather = decode_gather(decode_block_tables, decode_seq_lens, *gather_geometry, max_decode_seq_len)
+        block_size, num_kv_heads, num_heads = gather_geometry
+        gather = decode_gather(decode_block_tables, decode_seq_lens, block_size, num_kv_heads, max_decode_seq_len,
+                               num_heads)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         num_prefill_tokens=cu[-1],

@@ -7,17 +7,18 @@ another sequence in the same step, so its contents must leave before anything wr
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
 
 from ...kernels import KernelBackend, swap_blocks
 from ..common.errors import InvalidRequest
-from .attention import build_attention_metadata
+from .attention import AttentionMetadata, build_attention_metadata
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .sampling import sample
-from .step_types import LAST_SAMPLED, MAX_TOP_LOGPROBS, SampledToken, StepInput
+from .step_types import LAST_SAMPLED, MAX_TOP_LOGPROBS, SampledToken, SequenceInput, StepInput
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -60,6 +61,9 @@ class ModelRunner:
         # Overlapped steps: the tokens the last step sampled, the next step's inputs where it says LAST_SAMPLED.
         self.last_step_id = 0
         self.last_sampled: dict[int, int] = {}
+        # The torch path plans the decodes' cache reads once per step (block_size, num_kv_heads, num_heads).
+        self._gather_geometry = (block_size, config.num_kv_heads, config.num_heads) if backend.name == "torch" else None
+        self._logits = torch.empty(0, config.vocab_size, device=self.device)
 
     def validate(self, step: StepInput) -> None:
         """Raises InvalidRequest naming the field; nothing has changed when it does."""
@@ -126,43 +130,65 @@ class ModelRunner:
         self._move_blocks(step)
         if not step.sequences:
             return []
-        # multi-token chunks first, then single tokens: the layout AttentionMetadata expects
-        order = sorted(range(len(step.sequences)), key=lambda i: len(step.sequences[i].token_ids) == 1)
-        seqs = [step.sequences[i] for i in order]
+        seqs = _prefills_first(step.sequences)
+        input_ids, positions, meta = self._build_batch(seqs, last_sampled)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [num_tokens, hidden]
+        wanted = [i for i, s in enumerate(seqs) if s.sampling is not None]
+        if not wanted:
+            return []
+        if len(wanted) < hidden.shape[0]:  # some rows are not last tokens, or not sampled: keep the others
+            ends = list(itertools.accumulate(len(s.token_ids) for s in seqs))
+            hidden = hidden[torch.tensor([ends[i] - 1 for i in wanted], device=self.device)]
+        logits = self.model.compute_logits(hidden, out=self._logits_buffer(len(wanted)))  # [n, vocab]
+        sampled = sample(
+            logits,
+            [seqs[i].sampling for i in wanted],  # type: ignore[misc]
+            [seqs[i].start_position + len(seqs[i].token_ids) for i in wanted],
+            [seqs[i].seq_id for i in wanted],
+            in_place=True,  # the logits are this step's scratch
+        )
+        by_id = {t.seq_id: t for t in sampled}
+        self.last_sampled = {t.seq_id: t.token_id for t in sampled}
+        return [by_id[s.seq_id] for s in step.sequences if s.sampling is not None]
+
+    def _build_batch(
+        self, seqs: Sequence[SequenceInput], last_sampled: dict[int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The flat token batch of `seqs` (prefill chunks first): input ids and positions [num_tokens] int64,
+        and the attention metadata, each tensor made from one Python list."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        last_token_index: list[int] = []
         for seq in seqs:
-            input_ids.extend(seq.token_ids if seq.token_ids[0] != LAST_SAMPLED else [last_sampled[seq.seq_id]])
-            positions.extend(range(seq.start_position, seq.start_position + len(seq.token_ids)))
-            slots.extend(seq.slot_mapping)
-            last_token_index.append(len(input_ids) - 1)
+            start, num_tokens = seq.start_position, len(seq.token_ids)
+            if num_tokens == 1:  # a decode: no ranges to build
+                token = seq.token_ids[0]
+                input_ids.append(token if token != LAST_SAMPLED else last_sampled[seq.seq_id])
+                positions.append(start)
+                slots.append(seq.slot_mapping[0])
+            else:
+                input_ids.extend(seq.token_ids)
+                positions.extend(range(start, start + num_tokens))
+                slots.extend(seq.slot_mapping)
         meta = build_attention_metadata(
             [len(s.token_ids) for s in seqs],
             [s.start_position + len(s.token_ids) for s in seqs],
             [list(s.block_table) for s in seqs],
             slots,
             self.device,
-            gather_geometry=(self.block_size, self.config.num_kv_heads) if self.backend.name == "torch" else None,
+            gather_geometry=self._gather_geometry,
         )
-        hidden = self.model(
-            torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
-            meta, self.kv_caches,
-        )  # [num_tokens, hidden]
-        wanted = [i for i, s in enumerate(seqs) if s.sampling is not None]
-        if not wanted:
-            return []
-        logits = self.model.compute_logits(hidden[[last_token_index[i] for i in wanted]])  # [n, vocab]
-        sampled = sample(
-            logits,
-            [seqs[i].sampling for i in wanted],  # type: ignore[misc]
-            [seqs[i].start_position + len(seqs[i].token_ids) for i in wanted],
-            [seqs[i].seq_id for i in wanted],
-        )
-        by_id = {t.seq_id: t for t in sampled}
-        self.last_sampled = {t.seq_id: t.token_id for t in sampled}
-        return [by_id[s.seq_id] for s in step.sequences if s.sampling is not None]
+        ids_and_positions = torch.tensor([input_ids, positions], device=self.device)  # [2, num_tokens] int64
+        return ids_and_positions[0], ids_and_positions[1], meta
+
+    def _logits_buffer(self, num_rows: int) -> torch.Tensor | None:
+        """[num_rows, vocab] fp32 scratch reused across steps: a fresh 12 MiB tensor per step (64 rows of
+        SmolLM2's vocabulary) costs the CPU a page fault per 4 KiB, ~5 ms. None unless the model is fp32."""
+        if self.dtype != torch.float32:
+            return None
+        if self._logits.shape[0] < num_rows:
+            self._logits = torch.empty(num_rows, self.config.vocab_size, device=self.device)
+        return self._logits[:num_rows]
 
     def _move_blocks(self, step: StepInput) -> None:
         if step.swap_out:
@@ -178,6 +204,13 @@ class ModelRunner:
         if step.copies:
             mapping = torch.tensor(step.copies, dtype=torch.int64, device=self.device)
             self.backend.copy_blocks([c for kv in self.kv_caches for c in kv], mapping)
+
+
+def _prefills_first(sequences: Sequence[SequenceInput]) -> list[SequenceInput]:
+    """Multi-token chunks first, then single tokens (the layout AttentionMetadata expects), each in step order."""
+    if all(len(s.token_ids) == 1 for s in sequences):
+        return list(sequences)
+    return sorted(sequences, key=lambda s: len(s.token_ids) == 1)
 
 
 def _check_ids(values: Sequence[int], limit: int, where: str) -> None:

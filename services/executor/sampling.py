@@ -20,10 +20,10 @@ def sample(
     params: list[SamplingParams],
     positions: list[int],  # position of each sequence's next token: part of the draw's seed
     seq_ids: list[int],
+    *,
+    in_place: bool = False,  # the caller's logits may be overwritten (with the log-probabilities)
 ) -> list[SampledToken]:
-    logprobs = torch.log_softmax(logits, dim=-1)  # [num_seqs, vocab]
-    # the greedy choice (replaced below for sampled rows); max() finds the first maximum like argmax(), faster
-    chosen = logits.max(dim=-1).indices  # [num_seqs]
+    chosen = _first_argmax(logits)  # [num_seqs]: the greedy choice, replaced below for sampled rows
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
         rows = torch.tensor(sampled_rows)
@@ -31,15 +31,37 @@ def sample(
         noise = torch.stack([_exponential(params[i].seed, positions[i], logits.shape[1]) for i in sampled_rows])
         noise = noise.to(logits.device)
         chosen[rows] = (probs / noise).argmax(dim=-1)
-    chosen_logprobs = logprobs.gather(1, chosen[:, None]).squeeze(1)
-    k = max((p.num_top_logprobs for p in params), default=0)
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], chosen[:, None][:, :0])
-    chosen_ids, chosen_values = chosen.tolist(), chosen_logprobs.tolist()
-    top_id_rows, top_value_rows = top_ids.tolist(), top_values.tolist()
+    # Every row needs its chosen token's logprob, so the normalizer of every row: log_softmax is the one fused
+    # pass that gives it (logsumexp is slower on the CPU), written over the logits when the caller allows.
+    logprobs = torch.log_softmax(logits, dim=-1, out=logits) if in_place else torch.log_softmax(logits, dim=-1)
+    chosen_ids = chosen.tolist()
+    chosen_values = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
+    top_rows = [i for i, p in enumerate(params) if p.num_top_logprobs]
+    top_ids: dict[int, list[int]] = {}
+    top_values: dict[int, list[float]] = {}
+    if top_rows:  # only the rows that asked
+        k = max(params[i].num_top_logprobs for i in top_rows)
+        values, ids = logprobs[torch.tensor(top_rows, device=logits.device)].topk(k, dim=-1)
+        for i, id_row, value_row in zip(top_rows, ids.tolist(), values.tolist(), strict=True):
+            n = params[i].num_top_logprobs
+            top_ids[i], top_values[i] = id_row[:n], value_row[:n]
     return [
-        SampledToken(seq_ids[i], chosen_ids[i], chosen_values[i], top_id_rows[i][:n], top_value_rows[i][:n])
-        for i, n in enumerate(p.num_top_logprobs for p in params)
+        SampledToken(seq_ids[i], chosen_ids[i], chosen_values[i], top_ids.get(i, []), top_values.get(i, []))
+        for i in range(len(params))
     ]
+
+
+def _first_argmax(logits: torch.Tensor) -> torch.Tensor:  # [num_seqs, vocab] -> [num_seqs] int64
+    """argmax() of each row (the first maximum), in two vectorized steps: the CPU argmax kernel walks a row
+    element by element (2.6 ms for 64 x 49152), amax over chunks does not (0.3 ms with the second step)."""
+    num_rows, vocab = logits.shape
+    chunk = next((c for c in (256, 128, 64) if vocab % c == 0 and vocab >= 8 * c), 0)
+    if not chunk or logits.device.type != "cpu" or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    chunks = logits.view(num_rows, vocab // chunk, chunk)
+    best_chunk = chunks.amax(dim=-1).argmax(dim=-1)  # [num_rows]: the first chunk holding the row's maximum
+    within = chunks[torch.arange(num_rows, device=logits.device), best_chunk].argmax(dim=-1)
+    return best_chunk * chunk + within
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

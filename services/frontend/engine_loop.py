@@ -164,9 +164,10 @@ class EngineLoop:
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         posts: list[tuple[_Subscriber, Event]] = []
+        # one record per step, not per request: the window holds a minute of them
+        self.metrics.record_tokens(sum(len(o.new_token_ids) for output in outputs for o in output.outputs))
         for output in outputs:
             request = output.request
-            self.metrics.record_tokens(sum(len(o.new_token_ids) for o in output.outputs))
             subscriber = self._subscribers.get(request.request_id)
             if subscriber is not None and (request.finished or not subscriber.final_only):
                 posts.append((subscriber, output))

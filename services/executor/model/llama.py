@@ -121,6 +121,11 @@ class LlamaForCausalLM(nn.Module):
             x = layer(rope, x, meta, kv_cache)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+    def compute_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        """`out` ([n, vocab] fp32, contiguous), when given, receives the logits of an fp32 model."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if out is not None and hidden.dtype == torch.float32:
+            return torch.mm(hidden, weight.t(), out=out)
         return F.linear(hidden, weight).float()
