@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -165,6 +166,9 @@ async def serve_until_signalled(service: GrpcService, warm_up: Callable[[], Awai
     print(f"listening on {service.listen} (port {service.port})", flush=True)
     if warm_up is not None:
         await warm_up()
+    # Everything alive now (modules, the model, tables) lives as long as the process: moved out of the
+    # collector's generations, full collections stop walking it, which kept stalling steps by 10-25 ms.
+    gc.freeze()
     await service.mark_serving()
     log.info("serving %s on %s", ", ".join(service.service_names), service.listen)
     await stop.wait()

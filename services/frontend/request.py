@@ -110,7 +110,7 @@ class SequenceState:
     block_table: list[int] = field(default_factory=list)
     num_pending: int = 0  # tokens being sampled by steps already sent (overlapped steps), not known yet
     logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    top_logprobs: list[Sequence[tuple[int, float]]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
     @property
@@ -134,7 +134,7 @@ class SequenceOutput:
     new_token_ids: Sequence[int]
     finish_reason: FinishReason | None
     new_logprobs: Sequence[float] = ()  # of each new token
-    new_top_logprobs: Sequence[list[tuple[int, float]]] = ()  # (token id, logprob) alternatives per new token
+    new_top_logprobs: Sequence[Sequence[tuple[int, float]]] = ()  # (token id, logprob) alternatives per new token
 
 
 @dataclass(frozen=True)

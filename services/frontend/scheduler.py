@@ -269,7 +269,8 @@ class Scheduler:
             token_id = token.token_id
             seq.token_ids.append(token_id)
             seq.logprobs.append(token.logprob)
-            top = list(zip(token.top_token_ids, token.top_logprobs, strict=True)) if token.top_token_ids else []
+            # () when none were asked for: the empty tuple is one object the collector never tracks
+            top = tuple(zip(token.top_token_ids, token.top_logprobs, strict=True)) if token.top_token_ids else ()
             seq.top_logprobs.append(top)
             if request.metrics.first_token is None:
                 request.metrics.first_token = now

@@ -74,7 +74,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
-        return self.down_proj(F.silu(gate) * up)
+        # in place in the gate/up output, a temporary of this layer: no new [num_tokens, intermediate] tensors
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -88,8 +89,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, rope: RopeTables, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        x = x + self.self_attn(rope, self.input_layernorm(x), meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The residual stream is the model's own tensor (the embedding's output, then this sum): added in place.
+        x = x.add_(self.self_attn(rope, self.input_layernorm(x), meta, kv_cache))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
