@@ -51,14 +51,16 @@ def test_prefill_reference_matches_dense(dtype: torch.dtype, group: int, block_s
         assert_close(out[rows], expected, dtype)
 
 
-def test_gather_plan_shared_by_layers_with_a_loose_bound() -> None:
+@pytest.mark.parametrize("num_heads", [None, 6], ids=["bags-per-call", "bags-planned"])
+def test_gather_plan_shared_by_layers_with_a_loose_bound(num_heads: int | None) -> None:
     """The executor plans one gather per step (with the scheduler's bound on the lengths, here loose) and
     reuses it for every layer's caches; an empty sequence attends to nothing and gets zeros."""
     gen = torch.Generator().manual_seed(9)
     lens = [17, 0, 45, 3]
     kv = make_paged_kv(lens, 2, 64, 16, torch.float32, generator=gen)
     q = strided_queries(len(lens), 6, 64, torch.float32, gen)
-    plan = decode_gather(kv.block_tables, kv.seq_lens, 16, 2, max_seq_len=64)
+    plan = decode_gather(kv.block_tables, kv.seq_lens, 16, 2, max_seq_len=64, num_heads=num_heads)
+    assert (plan.head_rows is None) == (num_heads is None)
     # two "layers": the same block tables, K and V swapped in the second
     for k_cache, v_cache, keys, values in [(kv.k_cache, kv.v_cache, kv.keys, kv.values),
                                            (kv.v_cache, kv.k_cache, kv.values, kv.keys)]:
