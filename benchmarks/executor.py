@@ -1,10 +1,17 @@
-"""`pagedserve bench executor`: generation throughput of our engine vs HF transformers `generate()`.
+"""`pagedserve bench executor`: generation throughput of our engine vs HF transformers `generate()`, and
+the cost of one decode step against its own matmuls.
 
 For batch sizes 1, 8 and 32, the same prompts (a fixed set of short texts) and the same number of new
 tokens (EOS ignored) run through `pagedserve.LLM` (paged KV cache, continuous batching, CPU torch path)
 and through HF `generate()` on the same weights (greedy, one left-padded static batch). Tokens/s is
 generated tokens over the wall time of the whole call, prefill included, measured side by side in one
 process with the same torch thread count, alternating the two sides `--repeats` times (medians reported).
+
+The decode step (`--decode-seqs` sequences, 64 by default, each `--decode-context` tokens into its context):
+the whole `ModelRunner.execute` of one greedy decode step (batch building, forward, logits, sampling) against
+the same linear layers alone (every layer's fused QKV, O, fused gate/up and down projections, and the LM head,
+with the step's shapes), the two timed alternately (medians). Their ratio is what the step costs beyond its
+GEMMs: attention, norms, rotary, activations, sampling, Python (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .report import emit
 
@@ -65,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per side; medians are reported")
+    parser.add_argument("--decode-seqs", type=int, default=64, help="sequences of the timed decode step (0: skip)")
+    parser.add_argument("--decode-context", type=int, default=80,
+                        help="tokens each sequence of the decode step attends to (64 prompts x 128 new tokens"
+                             " average ~75)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -93,7 +105,72 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result[f"ours_tok_s_batch{batch}"] = round(statistics.median(ours), 1)
         result[f"hf_tok_s_batch{batch}"] = round(statistics.median(theirs), 1)
         result[f"ratio_batch{batch}"] = round(statistics.median(ours) / statistics.median(theirs), 3)
+    if args.decode_seqs > 0:
+        result.update(bench_decode_step(llm, args.decode_seqs, args.decode_context, max(args.repeats, 5)))
     return result
+
+
+def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int) -> dict[str, Any]:
+    """One decode step of `num_seqs` sequences at `context` tokens vs its own matmuls (medians of `repeats`
+    alternating timings). The step runs on a runner of its own that shares the LLM's model (weights), with a
+    KV cache just large enough, so that nothing of the LLM's cache is touched."""
+    from ..services.executor.runner import ModelRunner
+    from ..services.executor.step_types import GREEDY, SequenceInput, StepInput
+    from ..services.frontend.ports import LocalExecutor
+
+    executor = llm.engine.executor
+    assert isinstance(executor, LocalExecutor), f"the LLM's executor is {type(executor).__name__}"
+    served = executor.runner
+    block_size = served.block_size
+    blocks_per_seq = -(-(context + 1) // block_size)
+    runner = ModelRunner(served.model, served.config, served.backend, block_size, num_seqs * blocks_per_seq, 0,
+                         served.max_model_len)
+    prompts = _prompts(llm.tokenizer, num_seqs)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
+
+    def slots(seq: int, start: int, count: int) -> list[int]:
+        return [tables[seq][p // block_size] * block_size + p % block_size for p in range(start, start + count)]
+
+    last_tokens = []
+    for first in range(0, num_seqs, 8):  # prefill: each prompt repeated up to the context, 8 sequences a step
+        seqs = [SequenceInput(i, (prompts[i] * context)[:context], 0, tables[i], slots(i, 0, context), GREEDY)
+                for i in range(first, min(first + 8, num_seqs))]
+        last_tokens += [t.token_id for t in runner.execute(StepInput(seqs))]
+    # The same step again and again: each run writes the same slot, so the context stays `context` tokens.
+    step = StepInput([SequenceInput(i, [last_tokens[i]], context, tables[i], slots(i, context, 1), GREEDY)
+                      for i in range(num_seqs)])
+    matmuls = _step_matmuls(served.model, num_seqs)
+    runner.execute(step)  # warm-up
+    matmuls()
+    step_s, matmul_s = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.execute(step)
+        step_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        matmuls()
+        matmul_s.append(time.perf_counter() - start)
+    step_ms, matmul_ms = 1000 * statistics.median(step_s), 1000 * statistics.median(matmul_s)
+    n = num_seqs
+    return {f"decode_context_{n}": context, f"decode_step_ms_{n}": round(step_ms, 2),
+            f"decode_matmul_ms_{n}": round(matmul_ms, 2), f"decode_step_over_matmul_{n}": round(step_ms / matmul_ms, 3)}
+
+
+def _step_matmuls(model: Any, num_tokens: int) -> Any:
+    """The model's linear layers (each decoder layer's, then the LM head) on inputs of a step's shapes."""
+    weights = [(lin.weight, lin.bias) for layer in model.layers for lin in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    weights.append((head, None))
+    dtype, device = head.dtype, head.device
+    inputs = {w.shape[1]: torch.randn(num_tokens, w.shape[1], dtype=dtype, device=device) for w, _ in weights}
+
+    @torch.inference_mode()
+    def run() -> None:
+        for weight, bias in weights:
+            F.linear(inputs[weight.shape[1]], weight, bias)
+
+    return run
 
 
 def main(args: argparse.Namespace) -> None:

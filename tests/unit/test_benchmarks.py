@@ -40,7 +40,7 @@ def test_bench_blocks_json_meets_targets() -> None:
 def test_bench_executor_json_smoke() -> None:
     """The executor benchmark runs both sides and reports every key (its numbers are not asserted: timing)."""
     cmd = [sys.executable, "-m", "pagedserve", "bench", "executor", "--json", "--batches", "1,2", "--new-tokens", "3",
-           "--repeats", "1"]
+           "--repeats", "1", "--decode-seqs", "8", "--decode-context", "20"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600,
                          env={**os.environ, "PYTHONSAFEPATH": "1"})
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -50,6 +50,12 @@ def test_bench_executor_json_smoke() -> None:
         assert result[f"ratio_batch{batch}"] == pytest.approx(
             result[f"ours_tok_s_batch{batch}"] / result[f"hf_tok_s_batch{batch}"], rel=0.15
         )
+    # the decode step at 8 sequences of 20 tokens, and the same matmuls alone
+    assert result["decode_context_8"] == 20
+    assert result["decode_step_ms_8"] > 0 and result["decode_matmul_ms_8"] > 0
+    assert result["decode_step_over_matmul_8"] == pytest.approx(
+        result["decode_step_ms_8"] / result["decode_matmul_ms_8"], rel=0.01
+    )
 
 
 def test_bench_serve_json_smoke(tiny_chat_model_dir: Path, tmp_path: Path) -> None:
