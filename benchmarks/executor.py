@@ -17,8 +17,12 @@ GEMMs: attention, norms, rotary, activations, sampling, Python (docs/performance
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import functools
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-context", type=int, default=80,
                         help="tokens each sequence of the decode step attends to (64 prompts x 128 new tokens"
                              " average ~75)")
+    parser.add_argument("--decode-breakdown", action="store_true",
+                        help="also time the decode step's parts (matmuls, attention, norms, ...): decode_breakdown_ms")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -106,11 +112,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result[f"hf_tok_s_batch{batch}"] = round(statistics.median(theirs), 1)
         result[f"ratio_batch{batch}"] = round(statistics.median(ours) / statistics.median(theirs), 3)
     if args.decode_seqs > 0:
-        result.update(bench_decode_step(llm, args.decode_seqs, args.decode_context, max(args.repeats, 5)))
+        result.update(bench_decode_step(llm, args.decode_seqs, args.decode_context, max(args.repeats, 5),
+                                        breakdown=args.decode_breakdown))
     return result
 
 
-def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int) -> dict[str, Any]:
+def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, breakdown: bool = False
+                      ) -> dict[str, Any]:
     """One decode step of `num_seqs` sequences at `context` tokens vs its own matmuls (medians of `repeats`
     alternating timings). The step runs on a runner of its own that shares the LLM's model (weights), with a
     KV cache just large enough, so that nothing of the LLM's cache is touched."""
@@ -152,8 +160,76 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int) -> di
         matmul_s.append(time.perf_counter() - start)
     step_ms, matmul_ms = 1000 * statistics.median(step_s), 1000 * statistics.median(matmul_s)
     n = num_seqs
-    return {f"decode_context_{n}": context, f"decode_step_ms_{n}": round(step_ms, 2),
-            f"decode_matmul_ms_{n}": round(matmul_ms, 2), f"decode_step_over_matmul_{n}": round(step_ms / matmul_ms, 3)}
+    result: dict[str, Any] = {
+        f"decode_context_{n}": context, f"decode_step_ms_{n}": round(step_ms, 2),
+        f"decode_matmul_ms_{n}": round(matmul_ms, 2), f"decode_step_over_matmul_{n}": round(step_ms / matmul_ms, 3),
+    }
+    if breakdown:
+        parts: dict[str, list[float]] = collections.defaultdict(list)
+        with _section_timers(runner.model) as sections:
+            for _ in range(repeats):
+                sections.clear()
+                start = time.perf_counter()
+                runner.execute(step)
+                sections["step"] = time.perf_counter() - start
+                for name, seconds in _breakdown(sections).items():
+                    parts[name].append(seconds)
+        result[f"decode_breakdown_ms_{n}"] = {name: round(1000 * statistics.median(v), 2) for name, v in parts.items()}
+    return result
+
+
+@contextlib.contextmanager
+def _section_timers(model: Any) -> Iterator[collections.defaultdict[str, float]]:
+    """Wall time of the step's parts, summed over the step: wrappers on the model's modules and on the functions
+    the runner and the layers call, all removed on exit. The wrappers add ~1 us per call (~300 a step)."""
+    from ..services.executor import runner as runner_module
+    from ..services.executor.model import llama as llama_module
+
+    seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - start
+        return wrapper
+
+    modules: list[tuple[Any, str, str]] = [(model, "forward", "forward"), (model, "compute_logits", "matmul: LM head"),
+                                           (model.norm, "forward", "RMSNorm")]
+    for layer in model.layers:
+        modules += [(lin, "forward", "matmul: linear layers") for lin in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        modules += [(norm, "forward", "RMSNorm") for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+    functions = [(llama_module, "paged_attention", "attention"), (llama_module, "apply_rope", "rotary"),
+                 (runner_module, "sample", "sampling"), (runner_module, "build_attention_metadata", "metadata")]
+    for owner, attr, name in modules:
+        setattr(owner, attr, timed(name, getattr(owner, attr)))  # an instance attribute over the class's method
+    originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in functions]
+    for owner, attr, name in functions:
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
+    try:
+        yield seconds
+    finally:
+        for owner, attr, _ in modules:
+            delattr(owner, attr)
+        for owner, attr, fn in originals:
+            setattr(owner, attr, fn)
+
+
+def _breakdown(seconds: collections.defaultdict[str, float]) -> dict[str, float]:
+    """The timed parts, and what is left of the forward pass and of the step once they are taken out."""
+    names = ("matmul: linear layers", "matmul: LM head", "attention", "RMSNorm", "rotary", "sampling", "metadata")
+    parts = {name: seconds[name] for name in names}
+    in_forward = ("matmul: linear layers", "attention", "RMSNorm", "rotary")
+    parts["forward, other (embedding, residual adds, SiLU*mul, views)"] = (
+        seconds["forward"] - sum(parts[name] for name in in_forward))
+    parts["runner, other (batch, Python)"] = seconds["step"] - seconds["forward"] - sum(
+        parts[name] for name in ("matmul: LM head", "sampling", "metadata"))
+    parts["step"] = seconds["step"]
+    return parts
 
 
 def _step_matmuls(model: Any, num_tokens: int) -> Any:
