@@ -116,9 +116,10 @@ def run_served(args: argparse.Namespace, prompts: list[list[int]], new_tokens: i
     from ..services.common.processes import stop_service
     from .serve import start_stack
 
-    flags = dict.fromkeys(("preemption_mode", "block_size", "threads", "ttft_slo_ms", "tpot_slo_ms"))
+    flags = dict.fromkeys(("preemption_mode", "block_size", "ttft_slo_ms", "tpot_slo_ms"))
+    # the executor gets the offline run's torch threads (all cores), not serve's default of all but one
     stack_args = argparse.Namespace(model=args.model, kv_cache_mib=args.kv_cache_mib, max_num_seqs=len(prompts),
-                                    max_num_batched_tokens=2048, **flags)
+                                    max_num_batched_tokens=2048, threads=torch.get_num_threads(), **flags)
     with tempfile.TemporaryFile("w+") as log:
         stack = start_stack(stack_args, log)
         try:
@@ -210,6 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.serve:
         serve_tok_s, served = run_served(args, prompts, args.new_tokens)
         result |= {"serve_tok_s": round(serve_tok_s, 1), "serve_vs_offline": round(serve_tok_s / tok_s, 3),
+                   "serve_executor_threads": torch.get_num_threads(),
                    "greedy_match_serve_vs_offline": round(greedy_match(served, ours)[0], 3)}
     if peer_python is not None:
         from .peers.hf_export import export_hf
