@@ -25,8 +25,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 from ..block_manager.manager import NO_TOKEN
 from ..block_manager.stats import BlockStats
@@ -56,11 +56,10 @@ class SchedulerConfig:
     preemption_mode: Literal["recompute", "swap"] = "recompute"
 
 
-@dataclass
-class Work:
+class Work(NamedTuple):  # one per scheduled sequence and step
     seq: SequenceState
     num_tokens: int
-    slot_mapping: list[int] = field(default_factory=list)
+    slot_mapping: list[int]
 
 
 @dataclass
@@ -128,6 +127,7 @@ class Scheduler:
         for parent in [s for s in self.running if self._ready_to_fork(s)]:
             routes += [(ForkOp(parent.seq_id, child.seq_id), [child]) for child in self._fork(parent)]
         decode_seqs: list[SequenceState] = []
+        decode_tokens: list[int] = []
         free_estimate = self.stats.num_free_blocks - self._watermark_blocks()
         for seq in self.running:
             num_tokens = min(self._remaining(seq), budget)
@@ -135,13 +135,14 @@ class Scheduler:
                 continue
             budget -= num_tokens
             free_estimate -= self._blocks_needed(seq, num_tokens)
-            if self._is_plain_decode(seq, num_tokens):
+            told = self._decode_token(seq) if num_tokens == 1 else None
+            if told is not None:
                 decode_seqs.append(seq)
+                decode_tokens.append(told)
             else:
                 routes += self._reserve(seq, num_tokens)
         if decode_seqs:
-            decode = DecodeOp([s.seq_id for s in decode_seqs], [self._untold_token(s) for s in decode_seqs])
-            routes.append((decode, decode_seqs))
+            routes.append((DecodeOp([s.seq_id for s in decode_seqs], decode_tokens), decode_seqs))
         room = self.config.max_num_seqs - len(self.running)
         if self.swapped:  # resume before admitting anything new
             seq = self.swapped[0]
@@ -236,15 +237,14 @@ class Scheduler:
             return None
         items = list(work.values())
         sequences = []
-        for w in items:
-            seq = w.seq
+        for seq, num_tokens, slot_mapping in items:
             start = seq.num_computed
-            tokens = seq.token_ids[start : start + w.num_tokens] or [LAST_SAMPLED]  # being sampled by the last step
-            sample = start + w.num_tokens == self._known_len(seq)
+            tokens = seq.token_ids[start : start + num_tokens] or [LAST_SAMPLED]  # being sampled by the last step
+            sample = start + num_tokens == len(seq.token_ids) + seq.num_pending
             sequences.append(SequenceInput(
-                seq.seq_id, tokens, start, list(seq.block_table), w.slot_mapping, seq.sampling if sample else None,
+                seq.seq_id, tokens, start, list(seq.block_table), slot_mapping, seq.sampling if sample else None,
             ))
-            seq.num_computed += w.num_tokens  # from here on, as far as planning goes, it is computed
+            seq.num_computed = start + num_tokens  # from here on, as far as planning goes, it is computed
             seq.num_pending += sample
         step = StepInput(sequences, swap_out=swap_out, swap_in=swap_in, copies=copies, step_id=next(self._step_ids))
         return ScheduledStep(items, step)
@@ -332,14 +332,16 @@ class Scheduler:
         request.num_unforked = 0
         return children
 
-    def _is_plain_decode(self, seq: SequenceState, num_tokens: int) -> bool:
-        """One new token, with at most one token the block manager has not been told (the Decode fast path):
-        the input itself (serial steps), or the previous one, the input being sampled still (overlapped)."""
-        untold = seq.token_ids[seq.num_known_to_manager : seq.num_computed + 1]
-        return num_tokens == 1 and len(untold) <= 1 and seq.num_known_to_manager >= seq.num_computed - 1
-
-    def _untold_token(self, seq: SequenceState) -> int:
-        untold = seq.token_ids[seq.num_known_to_manager : seq.num_computed + 1]
+    def _decode_token(self, seq: SequenceState) -> int | None:
+        """For a one-token step: what its Decode tells the block manager (the token, or NO_TOKEN), or None when
+        it cannot take the Decode fast path. A Decode tells at most one token: the input itself (serial steps),
+        or the previous one while the input is still being sampled (overlapped)."""
+        known, computed = seq.num_known_to_manager, seq.num_computed
+        if known < computed - 1:
+            return None
+        untold = seq.token_ids[known : computed + 1]
+        if len(untold) > 1:
+            return None
         return untold[0] if untold else NO_TOKEN
 
     def _watermark_blocks(self) -> int:
