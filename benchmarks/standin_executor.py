@@ -19,12 +19,11 @@ from pathlib import Path
 
 from ..protos import executor_pb2 as pb
 from ..protos import executor_pb2_grpc as pb_grpc
-from ..services.common.errors import InvalidRequest
 from ..services.common.grpc_server import GrpcService, run, serve_until_signalled
 from ..services.executor.model.registry import resolve_model
 from ..services.executor.model.tokenizer import load_tokenizer
 from ..services.executor.server import SERVICE_NAME, ExecutorServicer
-from ..services.executor.step_types import LAST_SAMPLED, SampledToken, StepInput
+from ..services.executor.step_types import LAST_SAMPLED, LastSampled, SampledToken, StepInput
 
 
 class StandInRunner:
@@ -32,24 +31,21 @@ class StandInRunner:
 
     def __init__(self, step_s: float, vocab_size: int) -> None:
         self.step_s, self.vocab_size = step_s, vocab_size
-        self.last_step_id = 0
-        self.last_sampled: dict[int, int] = {}
+        self.last_sampled = LastSampled()
         self.timeline: list[tuple[float, float, int]] = []
 
     def execute(self, step: StepInput) -> list[SampledToken]:
         start = time.perf_counter()
-        last_sampled, self.last_sampled = self.last_sampled, {}
-        for seq in step.sequences:
-            if seq.token_ids[0] == LAST_SAMPLED and (step.step_id != self.last_step_id + 1
-                                                     or seq.seq_id not in last_sampled):
-                raise InvalidRequest(f"step {step.step_id}: no token of step {step.step_id - 1} for {seq.seq_id}")
-        self.last_step_id = step.step_id
+        for i, seq in enumerate(step.sequences):
+            if LAST_SAMPLED in seq.token_ids:
+                self.last_sampled.check(step.step_id, seq.seq_id, seq.token_ids, f"sequences[{i}].token_ids")
+        self.last_sampled.start(step.step_id)
         tokens = []
         for seq in step.sequences:
             if seq.sampling is not None:
                 position = seq.start_position + len(seq.token_ids)
                 tokens.append(SampledToken(seq.seq_id, 1 + position * 7919 % (self.vocab_size - 1), 0.0, [], []))
-        self.last_sampled = {t.seq_id: t.token_id for t in tokens}
+        self.last_sampled.record(tokens)
         time.sleep(max(0.0, start + self.step_s - time.perf_counter()))
         self.timeline.append((start, time.perf_counter(), len(step.sequences)))
         return tokens

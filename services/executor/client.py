@@ -62,9 +62,6 @@ class RemoteExecutor:
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self.timeout = timeout
 
-    def execute(self, step: StepInput) -> list[SampledToken]:
-        return tokens_from_proto(self.stub.Execute(step_to_proto(step), timeout=self.timeout))
-
     def submit(self, step: StepInput) -> RunningStep:
         """Sends the step and returns at once: overlapped steps queue behind the one running."""
         return RunningStep(self.stub.Execute.future(step_to_proto(step), timeout=self.timeout))

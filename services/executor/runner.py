@@ -18,7 +18,7 @@ from .attention import AttentionMetadata, build_attention_metadata
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .sampling import sample
-from .step_types import LAST_SAMPLED, MAX_TOP_LOGPROBS, SampledToken, SequenceInput, StepInput
+from .step_types import LAST_SAMPLED, MAX_TOP_LOGPROBS, LastSampled, SampledToken, SequenceInput, StepInput
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -59,8 +59,7 @@ class ModelRunner:
             for _ in range(config.num_layers)
         ]
         # Overlapped steps: the tokens the last step sampled, the next step's inputs where it says LAST_SAMPLED.
-        self.last_step_id = 0
-        self.last_sampled: dict[int, int] = {}
+        self.last_sampled = LastSampled()
         # The torch path plans the decodes' cache reads once per step (block_size, num_kv_heads, num_heads).
         self._gather_geometry = (block_size, config.num_kv_heads, config.num_heads) if backend.name == "torch" else None
         self._logits = torch.empty(0, config.vocab_size, device=self.device)
@@ -78,7 +77,7 @@ class ModelRunner:
                 raise InvalidRequest(f"{at}.token_ids: must not be empty")
             known_tokens = seq.token_ids
             if LAST_SAMPLED in seq.token_ids:
-                self._check_last_sampled(step.step_id, seq.seq_id, seq.token_ids, f"{at}.token_ids")
+                self.last_sampled.check(step.step_id, seq.seq_id, seq.token_ids, f"{at}.token_ids")
                 known_tokens = []
             bad = next((t for t in known_tokens if not 0 <= t < vocab), None)
             if bad is not None:
@@ -114,19 +113,10 @@ class ModelRunner:
                 if not (0 <= src < src_limit and 0 <= dst < dst_limit):
                     raise InvalidRequest(f"{name}[{j}]: block ({src} -> {dst}) outside the cache")
 
-    def _check_last_sampled(self, step_id: int, seq_id: int, token_ids: Sequence[int], where: str) -> None:
-        if len(token_ids) != 1:
-            raise InvalidRequest(f"{where}: LAST_SAMPLED ({LAST_SAMPLED}) stands alone, as a decode's one token")
-        if step_id == 0 or step_id != self.last_step_id + 1:
-            raise InvalidRequest(f"{where}: step {step_id} asks for the tokens step {step_id - 1} sampled, but the"
-                                 f" last step run was {self.last_step_id}")
-        if seq_id not in self.last_sampled:
-            raise InvalidRequest(f"{where}: step {self.last_step_id} sampled no token for sequence {seq_id}")
-
     @torch.inference_mode()
     def execute(self, step: StepInput) -> list[SampledToken]:
         self.validate(step)
-        last_sampled, self.last_sampled, self.last_step_id = self.last_sampled, {}, step.step_id
+        last_sampled = self.last_sampled.start(step.step_id)
         self._move_blocks(step)
         if not step.sequences:
             return []
@@ -148,7 +138,7 @@ class ModelRunner:
             in_place=True,  # the logits are this step's scratch
         )
         by_id = {t.seq_id: t for t in sampled}
-        self.last_sampled = {t.seq_id: t.token_id for t in sampled}
+        self.last_sampled.record(sampled)
         return [by_id[s.seq_id] for s in step.sequences if s.sampling is not None]
 
     def _build_batch(

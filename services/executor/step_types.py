@@ -6,9 +6,11 @@ never load torch (only the executor's does). executor.proto carries the same fie
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from ..common.errors import InvalidRequest
 
 MAX_TOP_LOGPROBS = 20
 LAST_SAMPLED = -1  # a decode's input token: the one the executor sampled for this sequence in the previous step
@@ -54,6 +56,33 @@ class StepInput:
     swap_in: Sequence[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     copies: Sequence[tuple[int, int]] = field(default_factory=list)  # (device src, device dst)
     step_id: int = 0  # overlapped steps: 1, 2, ...; LAST_SAMPLED refers to step_id - 1 (0: unnumbered)
+
+
+class LastSampled:
+    """The tokens the last step sampled, per sequence: the next numbered step's inputs where it says
+    LAST_SAMPLED (overlapped steps). Kept by whatever runs steps: the model runner, the benchmark's stand-in."""
+
+    def __init__(self) -> None:
+        self.step_id = 0  # of the last step run
+        self.tokens: dict[int, int] = {}
+
+    def check(self, step_id: int, seq_id: int, token_ids: Sequence[int], where: str) -> None:
+        """Raises InvalidRequest unless step `step_id` may ask for sequence `seq_id`'s last sampled token."""
+        if len(token_ids) != 1:
+            raise InvalidRequest(f"{where}: LAST_SAMPLED ({LAST_SAMPLED}) stands alone, as a decode's one token")
+        if step_id == 0 or step_id != self.step_id + 1:
+            raise InvalidRequest(f"{where}: step {step_id} asks for the tokens step {step_id - 1} sampled, but the"
+                                 f" last step run was {self.step_id}")
+        if seq_id not in self.tokens:
+            raise InvalidRequest(f"{where}: step {self.step_id} sampled no token for sequence {seq_id}")
+
+    def start(self, step_id: int) -> dict[int, int]:
+        """Step `step_id` begins: returns the tokens it may use; it has sampled none until `record`."""
+        tokens, self.tokens, self.step_id = self.tokens, {}, step_id
+        return tokens
+
+    def record(self, sampled: Iterable[SampledToken]) -> None:
+        self.tokens = {t.seq_id: t.token_id for t in sampled}
 
 
 @dataclass(frozen=True)

@@ -105,8 +105,7 @@ class Engine:
                 self.in_flight.append((scheduled, self.executor.submit(scheduled.step_input)))
             if not self.in_flight or (self.overlap and len(self.in_flight) < 2 and scheduled is not None):
                 return []  # the first step of a burst: nothing has come back yet
-            done, running = self.in_flight.pop(0)
-            outputs = self.scheduler.update(done, running.result())
+            outputs = self._collect_oldest()
         except BaseException:
             self.drain()
             raise
@@ -125,9 +124,12 @@ class Engine:
         output = self.scheduler.abort(request_id)
         self.scheduler.flush()
         while self.in_flight and not self.scheduler.has_work:  # only void tokens can come back: collect them
-            done, running = self.in_flight.pop(0)
-            self.scheduler.update(done, running.result())
+            self._collect_oldest()
         return output
+
+    def _collect_oldest(self) -> list[StepOutput]:
+        done, running = self.in_flight.pop(0)
+        return self.scheduler.update(done, running.result())
 
     @property
     def has_work(self) -> bool:
