@@ -92,7 +92,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ..services.frontend.llm import LLM
 
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM(args.model, device="cpu", dtype="float32", max_num_seqs=max(batches), max_num_batched_tokens=2048)
+    # in process: the decode-step timing below runs the LLM's own model on a runner of its own
+    llm = LLM(args.model, device="cpu", dtype="float32", max_num_seqs=max(batches), max_num_batched_tokens=2048,
+              executor="thread")
     source = resolve_model(args.model)
     hf_kwargs: dict[str, Any] = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
     folder = source.path.parent if source.kind == "gguf" else source.path

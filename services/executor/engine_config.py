@@ -28,7 +28,7 @@ assert sorted(DTYPES) == sorted(DTYPE_NAMES), "options.DTYPE_NAMES and the torch
 def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:
     """Loads the model, sizes the cache, runs a warm-up step."""
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if config.num_threads is not None:
+    if config.num_threads:
         torch.set_num_threads(config.num_threads)
     dtype = DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     backend = get_backend("triton" if device.type == "cuda" else "torch")

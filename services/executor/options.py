@@ -26,7 +26,7 @@ class ExecutorConfig:
     cpu_swap_bytes: int = 0  # the CPU swap pool
     max_model_len: int | None = None  # default: the model's
     max_num_batched_tokens: int = 2048  # the largest step, profiled on a GPU
-    num_threads: int | None = None  # torch's CPU threads; None: torch's default
+    num_threads: int = 0  # torch's CPU threads; 0: torch's default (all physical cores)
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> ExecutorConfig:
@@ -36,6 +36,19 @@ class ExecutorConfig:
             num_blocks=args.num_blocks, cpu_swap_bytes=args.cpu_swap_mib * MiB, max_model_len=args.max_model_len,
             num_threads=args.threads,
         )
+
+    def to_argv(self) -> list[str]:
+        """The `pagedserve executor` flags that build this configuration."""
+        if self.kv_cache_bytes % MiB or self.cpu_swap_bytes % MiB:
+            raise ValueError("an executor process takes its KV and swap budgets in whole MiB")
+        argv = ["--model", self.model, "--block-size", str(self.block_size),
+                "--kv-cache-mib", str(self.kv_cache_bytes // MiB), "--cpu-swap-mib", str(self.cpu_swap_bytes // MiB),
+                "--gpu-memory-utilization", str(self.gpu_memory_utilization), "--threads", str(self.num_threads)]
+        for flag, value in (("--dtype", self.dtype), ("--device", self.device), ("--num-blocks", self.num_blocks),
+                            ("--max-model-len", self.max_model_len)):
+            if value is not None:
+                argv += [flag, str(value)]
+        return argv
 
 
 def add_executor_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,4 +64,4 @@ def add_executor_arguments(parser: argparse.ArgumentParser) -> None:
     # In a pod the executor shares the CPU with the frontend and block manager; an OpenMP team that
     # expects every core stalls at each barrier when one of its threads is descheduled (seen here: 10x).
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                        help="torch CPU threads (default: all cores but one)")
+                        help="torch CPU threads (default: all cores but one; 0: torch's default, all physical cores)")

@@ -43,6 +43,23 @@ def test_batch_equals_single_and_prefix_cache_hits(llm: LLM) -> None:
     assert llm.stats()["num_used_blocks"] == 0
 
 
+def test_executor_in_process_equals_executor_process(llm: LLM) -> None:
+    params = GenerationParams(max_tokens=10, ignore_eos=True)
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    with LLM("smollm2-135m", device="cpu", dtype="float32", kv_cache_mib=64, executor="thread") as in_process:
+        here = in_process.generate(prompts, params, progress=False)
+    there = llm.generate(prompts, params, progress=False)
+    assert [r.outputs[0].token_ids for r in here] == [r.outputs[0].token_ids for r in there]
+
+
+def test_close_stops_the_executor_process() -> None:
+    llm = LLM("smollm2-135m", device="cpu", dtype="float32", kv_cache_mib=16)
+    child = llm.executor_process
+    assert child is not None and child.proc.poll() is None
+    llm.close()
+    assert child.proc.poll() is not None
+
+
 def test_run_cli_prints_one_json_object_per_prompt() -> None:
     cmd = [sys.executable, "-m", "pagedserve", "run", "--model", "smollm2-135m", "--prompt", "Hello, my name is",
            "--prompt", "2 + 2 =", "--max-tokens", "5", "--ignore-eos", "--json", "--kv-cache-mib", "32"]
