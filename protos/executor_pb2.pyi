@@ -67,10 +67,13 @@ class ExecuteRequest(_message.Message):
     TOP_P_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     NUM_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Overlapped steps are numbered 1, 2, ... by the frontend, which sends step N+1 before step N has
     answered; a step that uses last-sampled tokens runs only after step_id - 1 (0: unnumbered).
     """
+    epoch: _builtins.int
+    """of the last Reset; a step of another epoch is refused"""
     @_builtins.property
     def swap_out(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockCopy]:
         """device block -> cpu block"""
@@ -158,10 +161,11 @@ class ExecuteRequest(_message.Message):
         top_p: _abc.Iterable[_builtins.float] | None = ...,
         seed: _abc.Iterable[_builtins.int] | None = ...,
         num_top_logprobs: _abc.Iterable[_builtins.int] | None = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table_lens", b"block_table_lens", "block_tables", b"block_tables", "copies", b"copies", "num_tokens", b"num_tokens", "num_top_logprobs", b"num_top_logprobs", "sample", b"sample", "seed", b"seed", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "start_positions", b"start_positions", "step_id", b"step_id", "swap_in", b"swap_in", "swap_out", b"swap_out", "temperature", b"temperature", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table_lens", b"block_table_lens", "block_tables", b"block_tables", "copies", b"copies", "epoch", b"epoch", "num_tokens", b"num_tokens", "num_top_logprobs", b"num_top_logprobs", "sample", b"sample", "seed", b"seed", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "start_positions", b"start_positions", "step_id", b"step_id", "swap_in", b"swap_in", "swap_out", b"swap_out", "temperature", b"temperature", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -231,6 +235,25 @@ class InfoRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InfoRequest: _TypeAlias = InfoRequest  # noqa: Y015
+
+@_typing.final
+class ResetRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResetRequest: _TypeAlias = ResetRequest  # noqa: Y015
 
 @_typing.final
 class InfoResponse(_message.Message):

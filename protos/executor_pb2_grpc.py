@@ -44,6 +44,11 @@ class ExecutorStub:
                 request_serializer=pagedserve_dot_protos_dot_executor__pb2.InfoRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_protos_dot_executor__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Reset = channel.unary_unary(
+                '/pagedserve.executor.v1.Executor/Reset',
+                request_serializer=pagedserve_dot_protos_dot_executor__pb2.ResetRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_protos_dot_executor__pb2.InfoResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -64,6 +69,16 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reset(self, request, context):
+        """Starts a new epoch: steps of any other epoch are refused, those already queued are skipped, and it
+        answers once the step thread has nothing left of the old epoch (and with Info's answer). A frontend
+        calls it when it connects and after it lost the executor or the block manager, so that a step sent
+        before the loss (by a stalled executor, say) can never write KV into blocks that are handed out again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +90,11 @@ def add_ExecutorServicer_to_server(servicer, server):
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
                     request_deserializer=pagedserve_dot_protos_dot_executor__pb2.InfoRequest.FromString,
+                    response_serializer=pagedserve_dot_protos_dot_executor__pb2.InfoResponse.SerializeToString,
+            ),
+            'Reset': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reset,
+                    request_deserializer=pagedserve_dot_protos_dot_executor__pb2.ResetRequest.FromString,
                     response_serializer=pagedserve_dot_protos_dot_executor__pb2.InfoResponse.SerializeToString,
             ),
     }
@@ -131,6 +151,33 @@ class Executor:
             target,
             '/pagedserve.executor.v1.Executor/Info',
             pagedserve_dot_protos_dot_executor__pb2.InfoRequest.SerializeToString,
+            pagedserve_dot_protos_dot_executor__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.executor.v1.Executor/Reset',
+            pagedserve_dot_protos_dot_executor__pb2.ResetRequest.SerializeToString,
             pagedserve_dot_protos_dot_executor__pb2.InfoResponse.FromString,
             options,
             channel_credentials,

@@ -39,6 +39,12 @@ class ExecutorStub:
     """
     Info: _grpc.UnaryUnaryMultiCallable[_executor_pb2.InfoRequest, _executor_pb2.InfoResponse]
     """The model and the KV cache geometry, which the block manager must be started to agree with."""
+    Reset: _grpc.UnaryUnaryMultiCallable[_executor_pb2.ResetRequest, _executor_pb2.InfoResponse]
+    """Starts a new epoch: steps of any other epoch are refused, those already queued are skipped, and it
+    answers once the step thread has nothing left of the old epoch (and with Info's answer). A frontend
+    calls it when it connects and after it lost the executor or the block manager, so that a step sent
+    before the loss (by a stalled executor, say) can never write KV into blocks that are handed out again.
+    """
 
 @_typing.type_check_only
 class ExecutorAsyncStub(ExecutorStub):
@@ -49,6 +55,12 @@ class ExecutorAsyncStub(ExecutorStub):
     """
     Info: _aio.UnaryUnaryMultiCallable[_executor_pb2.InfoRequest, _executor_pb2.InfoResponse]  # type: ignore[assignment]
     """The model and the KV cache geometry, which the block manager must be started to agree with."""
+    Reset: _aio.UnaryUnaryMultiCallable[_executor_pb2.ResetRequest, _executor_pb2.InfoResponse]  # type: ignore[assignment]
+    """Starts a new epoch: steps of any other epoch are refused, those already queued are skipped, and it
+    answers once the step thread has nothing left of the old epoch (and with Info's answer). A frontend
+    calls it when it connects and after it lost the executor or the block manager, so that a step sent
+    before the loss (by a stalled executor, say) can never write KV into blocks that are handed out again.
+    """
 
 class ExecutorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -68,5 +80,17 @@ class ExecutorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_executor_pb2.InfoResponse, _abc.Awaitable[_executor_pb2.InfoResponse]]:
         """The model and the KV cache geometry, which the block manager must be started to agree with."""
+
+    @_abc_1.abstractmethod
+    def Reset(
+        self,
+        request: _executor_pb2.ResetRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_executor_pb2.InfoResponse, _abc.Awaitable[_executor_pb2.InfoResponse]]:
+        """Starts a new epoch: steps of any other epoch are refused, those already queued are skipped, and it
+        answers once the step thread has nothing left of the old epoch (and with Info's answer). A frontend
+        calls it when it connects and after it lost the executor or the block manager, so that a step sent
+        before the loss (by a stalled executor, say) can never write KV into blocks that are handed out again.
+        """
 
 def add_ExecutorServicer_to_server(servicer: ExecutorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

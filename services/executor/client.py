@@ -11,7 +11,7 @@ from ..common.tracing import traced_channel
 from .step_types import ExecutorInfo, SampledToken, StepInput
 
 
-def step_to_proto(step: StepInput) -> pb.ExecuteRequest:
+def step_to_proto(step: StepInput, epoch: int = 0) -> pb.ExecuteRequest:
     seqs = step.sequences
     sampled = [s.sampling for s in seqs if s.sampling is not None]
     return pb.ExecuteRequest(
@@ -32,6 +32,7 @@ def step_to_proto(step: StepInput) -> pb.ExecuteRequest:
         top_p=[p.top_p for p in sampled],
         seed=[p.seed for p in sampled],
         num_top_logprobs=[p.num_top_logprobs for p in sampled],
+        epoch=epoch,
     )
 
 
@@ -61,15 +62,25 @@ class RemoteExecutor:
         self.channel = traced_channel(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self.timeout = timeout
+        self.epoch = 0
 
     def submit(self, step: StepInput) -> RunningStep:
         """Sends the step and returns at once: overlapped steps queue behind the one running."""
-        return RunningStep(self.stub.Execute.future(step_to_proto(step), timeout=self.timeout))
+        return RunningStep(self.stub.Execute.future(step_to_proto(step, self.epoch), timeout=self.timeout))
 
     def info(self) -> ExecutorInfo:
-        i = self.stub.Info(pb.InfoRequest(), timeout=self.timeout)
-        return ExecutorInfo(i.model, i.model_digest, i.dtype, i.device, i.vocab_size, i.max_model_len, i.block_size,
-                            i.num_blocks, i.num_cpu_blocks, tuple(i.eos_token_ids), i.kernel_backend)
+        return _info(self.stub.Info(pb.InfoRequest(), timeout=self.timeout))
+
+    def reset(self, epoch: int) -> ExecutorInfo:
+        """A new epoch: the executor drops every step sent before (see the proto)."""
+        info = _info(self.stub.Reset(pb.ResetRequest(epoch=epoch), timeout=self.timeout))
+        self.epoch = epoch
+        return info
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _info(i: pb.InfoResponse) -> ExecutorInfo:
+    return ExecutorInfo(i.model, i.model_digest, i.dtype, i.device, i.vocab_size, i.max_model_len, i.block_size,
+                        i.num_blocks, i.num_cpu_blocks, tuple(i.eos_token_ids), i.kernel_backend)

@@ -66,6 +66,10 @@ class LastSampled:
         self.step_id = 0  # of the last step run
         self.tokens: dict[int, int] = {}
 
+    def clear(self) -> None:
+        """Forgets every step (the frontend starts over: no step may ask for what an earlier one sampled)."""
+        self.step_id, self.tokens = 0, {}
+
     def check(self, step_id: int, seq_id: int, token_ids: Sequence[int], where: str) -> None:
         """Raises InvalidRequest unless step `step_id` may ask for sequence `seq_id`'s last sampled token."""
         if len(token_ids) != 1:
