@@ -15,6 +15,7 @@ import grpc.aio
 from ...protos import block_manager_pb2 as pb
 from ...protos import block_manager_pb2_grpc as pb_grpc
 from ...protos import executor_pb2, executor_pb2_grpc
+from ..common.addresses import add_allow_remote_argument, check_sidecar_listen
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from ..common.processes import wait_serving
 from .manager import BlockCopy, BlockManager
@@ -111,7 +112,8 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", default="127.0.0.1:50061", help="unix:PATH or HOST:PORT")
+    parser.add_argument("--listen", default="127.0.0.1:50061", help="unix:PATH or a loopback HOST:PORT")
+    add_allow_remote_argument(parser)
     geometry = parser.add_mutually_exclusive_group(required=True)
     geometry.add_argument("--num-blocks", type=int, help="device KV blocks")
     geometry.add_argument("--geometry-from", metavar="ADDRESS",
@@ -146,4 +148,5 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
+    check_sidecar_listen("block manager", args.listen, args.allow_remote)
     run(serve(args), "block-manager")

@@ -11,3 +11,7 @@ class OutOfCapacity(RuntimeError):
 
 class NotReady(RuntimeError):
     """Still warming up or shutting down: answered UNAVAILABLE."""
+
+
+class Unauthenticated(PermissionError):
+    """No valid API key: answered UNAUTHENTICATED (the message never says which part was wrong)."""

@@ -1,8 +1,9 @@
 """The gRPC server scaffold every service uses: error mapping, health, reflection, graceful stop.
 
 As in KServe's server: a domain error becomes the right status code (bad input -> INVALID_ARGUMENT, out
-of capacity -> RESOURCE_EXHAUSTED, not ready -> UNAVAILABLE); anything else is logged and answered
-INTERNAL with a generic message, so internals never leak to clients and the server keeps serving.
+of capacity -> RESOURCE_EXHAUSTED, not ready -> UNAVAILABLE, no valid key -> UNAUTHENTICATED); anything
+else is logged and answered INTERNAL with a generic message, so internals never leak to clients and the
+server keeps serving.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import gc
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -22,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
-from .errors import InvalidRequest, NotReady, OutOfCapacity
+from .errors import InvalidRequest, NotReady, OutOfCapacity, Unauthenticated
 from .tracing import extract_context, init_tracing, shutdown_tracing, tracer, tracing_enabled
 
 log = logging.getLogger(__name__)
@@ -32,11 +33,13 @@ CHANNEL_OPTIONS = [  # clients of our services: the same message limits
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
-SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-]
+
+
+def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """A public server receives less than the sidecars (`--max-message-bytes`); what it sends keeps the
+    common limit (a unary answer with n samples and logprobs can be large)."""
+    return [("grpc.max_receive_message_length", max_receive_bytes),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)]
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -46,6 +49,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, NotReady):
         return grpc.StatusCode.UNAVAILABLE, str(exc) or "not ready"
+    if isinstance(exc, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc) or "a valid API key is required"
     return grpc.StatusCode.INTERNAL, "internal error"
 
 
@@ -122,12 +127,18 @@ def _server_span(method: str, context: grpc.aio.ServicerContext) -> Any:
 
 
 class GrpcService:
-    """A grpc.aio server with health (NOT_SERVING until `mark_serving`) and reflection."""
+    """A grpc.aio server with health (NOT_SERVING until `mark_serving`) and reflection; over TLS when given
+    server credentials. `interceptors` run inside the error mapping (their domain errors are mapped too)."""
 
-    def __init__(self, listen: str, service_names: Iterable[str]) -> None:
+    def __init__(
+        self, listen: str, service_names: Iterable[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        credentials: grpc.ServerCredentials | None = None, max_receive_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
         self.listen = listen
         self.service_names = list(service_names)
-        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=SERVER_OPTIONS)
+        self.credentials = credentials
+        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), *interceptors],
+                                      options=server_options(max_receive_bytes))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -137,7 +148,10 @@ class GrpcService:
         self.port = 0
 
     async def start(self) -> None:
-        self.port = self.server.add_insecure_port(self.listen)
+        if self.credentials is None:
+            self.port = self.server.add_insecure_port(self.listen)
+        else:
+            self.port = self.server.add_secure_port(self.listen, self.credentials)
         if self.port == 0 and not self.listen.startswith("unix:"):
             raise OSError(f"cannot listen on {self.listen}")
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -155,25 +169,33 @@ class GrpcService:
         await self.server.stop(grace)
 
 
-async def serve_until_signalled(service: GrpcService, warm_up: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Starts, warms up, reports SERVING, and stops gracefully on SIGTERM or SIGINT."""
+async def serve_until_signalled(
+    service: GrpcService, warm_up: Callable[[], Awaitable[None]] | None = None, also: Sequence[GrpcService] = ()
+) -> None:
+    """Starts, warms up, reports SERVING, and stops gracefully on SIGTERM or SIGINT. `also`: more servers of
+    the same process (another listener with other settings), started and stopped with the first."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await service.start()
-    # the address is known (and health answers NOT_SERVING) before the warm-up, which may take a while
+    # the address is known (and health answers NOT_SERVING) before the warm-up, which may take a while;
+    # supervisors read the first such line as the service's address
     print(f"listening on {service.listen} (port {service.port})", flush=True)
+    for other in also:
+        await other.start()
+        log.info("also listening on %s", other.listen)
     if warm_up is not None:
         await warm_up()
     # Everything alive now (modules, the model, tables) lives as long as the process: moved out of the
     # collector's generations, full collections stop walking it, which kept stalling steps by 10-25 ms.
     gc.freeze()
-    await service.mark_serving()
+    for each in (service, *also):
+        await each.mark_serving()
     log.info("serving %s on %s", ", ".join(service.service_names), service.listen)
     await stop.wait()
     log.info("stopping")
-    await service.stop()
+    await asyncio.gather(*(each.stop() for each in (service, *also)))
     shutdown_tracing()
 
 

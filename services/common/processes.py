@@ -74,9 +74,14 @@ def running_service(
         stop_service(service)
 
 
-def wait_serving(address: str, timeout: float, proc: subprocess.Popen[str] | None = None) -> None:
+def wait_serving(
+    address: str, timeout: float, proc: subprocess.Popen[str] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
+    """Polls the health service (no API key needed) until SERVING; over TLS with `credentials`."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:

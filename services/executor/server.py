@@ -14,6 +14,7 @@ import grpc.aio
 
 from ...protos import executor_pb2 as pb
 from ...protos import executor_pb2_grpc as pb_grpc
+from ..common.addresses import add_allow_remote_argument, check_sidecar_listen
 from ..common.errors import InvalidRequest, NotReady
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from .engine_config import build_runner
@@ -116,7 +117,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", default="127.0.0.1:50062", help="unix:PATH or HOST:PORT")
+    parser.add_argument("--listen", default="127.0.0.1:50062", help="unix:PATH or a loopback HOST:PORT")
+    add_allow_remote_argument(parser)
     add_executor_arguments(parser)
 
 
@@ -128,4 +130,5 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
+    check_sidecar_listen("executor", args.listen, args.allow_remote)
     run(serve(args), "executor")

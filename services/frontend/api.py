@@ -3,14 +3,15 @@
 Text work happens here, on the event loop: tokenizing, the chat template, streaming detokenization and
 stop strings. Scheduling happens on the engine thread (engine_loop.py). A request whose client goes
 away, or whose deadline passes, is aborted in the `finally` of its handler: its blocks are freed at once.
+Who is calling (auth.py) decides the cache namespace and whose stream count (limits.py) a request takes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc.aio
@@ -19,16 +20,17 @@ from transformers import PreTrainedTokenizerFast
 
 from ...protos import inference_pb2 as pb
 from ...protos import inference_pb2_grpc as pb_grpc
-from ..common.errors import InvalidRequest, NotReady
+from ..common.errors import InvalidRequest, NotReady, Unauthenticated
 from ..executor.model.tokenizer import render_chat
 from ..executor.step_types import ExecutorInfo
+from .auth import UNAUTHENTICATED, ApiKeys, Metadata, client_salt, presented_key, tenant_salt
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .engine_loop import EngineLoop
+from .limits import DEFAULT_MAX_TOKENS, ApiLimits, StreamCounter
 from .metrics import latency
 from .request import FinishReason, GenerationParams, Request, SequenceOutput
 
 FINISH = {FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH, FinishReason.ABORT: pb.ABORT}
-TENANT_HEADERS = ("x-api-key", "authorization")
 
 
 @dataclass
@@ -55,11 +57,15 @@ class Backend:
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    """Registered before the server starts (gRPC requires it); answers UNAVAILABLE until `attach`."""
+    """Registered before the server starts (gRPC requires it); answers UNAVAILABLE until `attach`. With
+    `keys`, generation needs a listed key on any listener (the public one's interceptor guards the rest)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: ApiKeys | None = None, limits: ApiLimits | None = None) -> None:
         self._backend: Backend | None = None
         self._tenant_secret = secrets.token_bytes(32)
+        self.keys = keys
+        self.limits = limits or ApiLimits()
+        self.streams = StreamCounter(self.limits.max_streams_per_tenant)
 
     def attach(self, backend: Backend) -> None:
         self._backend = backend
@@ -91,34 +97,45 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        async for message in self._generate(request, context):
-            yield message
+        with self._stream(context) as salt:
+            async for message in self._generate(request, salt):
+                yield message
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         choices: dict[int, pb.Completion] = {}
         response = pb.CompleteResponse()
-        async for chunk in self._generate(request, context, unary=True):
-            response.request_id = chunk.request_id
-            choice = choices.setdefault(chunk.index, pb.Completion(index=chunk.index))
-            choice.text += chunk.text
-            choice.token_ids.extend(chunk.token_ids)
-            choice.logprobs.extend(chunk.logprobs)
-            if chunk.finish_reason:
-                choice.finish_reason = chunk.finish_reason
-            if chunk.HasField("usage"):
-                response.usage.CopyFrom(chunk.usage)
+        with self._stream(context) as salt:
+            async for chunk in self._generate(request, salt, unary=True):
+                response.request_id = chunk.request_id
+                choice = choices.setdefault(chunk.index, pb.Completion(index=chunk.index))
+                choice.text += chunk.text
+                choice.token_ids.extend(chunk.token_ids)
+                choice.logprobs.extend(chunk.logprobs)
+                if chunk.finish_reason:
+                    choice.finish_reason = chunk.finish_reason
+                if chunk.HasField("usage"):
+                    response.usage.CopyFrom(chunk.usage)
         response.choices.extend(choices[i] for i in sorted(choices))
         return response
 
+    @contextmanager
+    def _stream(self, context: grpc.aio.ServicerContext) -> Iterator[bytes]:
+        """Holds one of the caller's streams (limits.py) for the call, however it ends; gives its cache salt."""
+        metadata = context.invocation_metadata()
+        tenant = self._tenant(metadata)
+        with self.streams.hold(tenant):
+            yield tenant_salt(self._tenant_secret, tenant, client_salt(metadata))
+
     async def _generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, unary: bool = False
+        self, request: pb.GenerateRequest, salt: bytes, unary: bool = False
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The request's chunks as they come; for a unary call without stop strings (nothing to match while
         the text grows), one chunk per sample at the end, read from the finished request."""
         if request.model and request.model != self.info.model:
             raise InvalidRequest(f"model: {request.model!r} is not served here; this pod serves {self.info.model!r}")
         prompt = self._prompt(request)
-        params = generation_params(request.params)
+        params = generation_params(request.params, self.limits.max_n, self.limits.default_max_tokens)
+        self.limits.check(len(prompt), params)
         stop = list(request.params.stop)
         at_end = unary and not stop
         samples = [self._sample(prompt, stop, text_at_end=at_end) for _ in range(params.n)]
@@ -127,7 +144,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         span = trace.get_current_span()  # the call's server span (a no-op one when tracing is off)
         span.set_attributes({"pagedserve.request_id": request_id, "gen_ai.usage.input_tokens": len(prompt),
                              "gen_ai.request.max_tokens": params.max_tokens})
-        events = self.loop.submit(request_id, prompt, params, self._tenant_salt(context), final_only=at_end)
+        events = self.loop.submit(request_id, prompt, params, salt, final_only=at_end)
         engine_request: Request | None = None
         over = False
         try:
@@ -223,14 +240,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 raise InvalidRequest(f"chat.messages[{i}].role: {message.role!r} is not system, user or assistant")
         return render_chat(self.tokenizer, [{"role": m.role, "content": m.content} for m in chat.messages])
 
-    def _tenant_salt(self, context: grpc.aio.ServicerContext) -> bytes:
-        """The caller's identity as the server sees it (its API key), never a field the client sets: one
-        tenant can then never hit, or time, another tenant's cached prefix."""
-        metadata = dict(context.invocation_metadata() or ())
-        key = next((str(metadata[h]) for h in TENANT_HEADERS if h in metadata), "")
-        if not key:
-            return b""
-        return hashlib.blake2b(key.encode(), key=self._tenant_secret, digest_size=16).digest()
+    def _tenant(self, metadata: Metadata) -> str:
+        """The tenant as the server knows it: the name the keys file gives the caller's key. Without a keys
+        file (a trusted network) the key the client sends is taken as its tenant, unchecked."""
+        key = presented_key(metadata)
+        if self.keys is None:
+            return key
+        tenant = self.keys.tenant_for(key)
+        if tenant is None:  # a listener without the interceptor (the local one) still guards generation
+            raise Unauthenticated(UNAUTHENTICATED)
+        return tenant
 
     # ---- the rest ------------------------------------------------------------------------------------
 
@@ -267,10 +286,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         )
 
 
-def generation_params(p: pb.GenerationParameters) -> GenerationParams:
+def generation_params(
+    p: pb.GenerationParameters, max_n: int = 16, default_max_tokens: int = DEFAULT_MAX_TOKENS
+) -> GenerationParams:
     """Proto parameters with their defaults; validated by the engine (InvalidRequest naming the field)."""
     params = GenerationParams(
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else 16,
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else default_max_tokens,
         temperature=p.temperature if p.HasField("temperature") else 0.0,
         top_p=p.top_p if p.HasField("top_p") else 1.0,
         top_k=p.top_k if p.HasField("top_k") else 0,
@@ -280,5 +301,5 @@ def generation_params(p: pb.GenerationParameters) -> GenerationParams:
         n=p.n if p.HasField("n") else 1,
         logprobs=p.logprobs if p.HasField("logprobs") else 0,
     )
-    params.validate()
+    params.validate(max_n)
     return params

@@ -1,9 +1,14 @@
-"""Client commands: `pagedserve generate`, `pagedserve chat`, `pagedserve status`."""
+"""Client commands: `pagedserve generate`, `pagedserve chat`, `pagedserve status`.
+
+Each connects in plain gRPC, or over TLS with `--tls-ca` (and mutual TLS with `--tls-cert`/`--tls-key`),
+and sends `--api-key` (or $PAGEDSERVE_API_KEY, which keeps it out of the process list) as a bearer token.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import grpc
@@ -11,10 +16,34 @@ from google.protobuf.json_format import MessageToDict
 
 from ...protos import inference_pb2 as pb
 from ...protos import inference_pb2_grpc as pb_grpc
+from ..common.tls import TlsConfigError, channel_credentials
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default="127.0.0.1:50051")
+    parser.add_argument("--tls", action="store_true", help="TLS, verifying the server with the system's roots")
+    parser.add_argument("--tls-ca", metavar="PEM", help="TLS, verifying the server with this CA (implies --tls)")
+    parser.add_argument("--tls-cert", metavar="PEM", help="mutual TLS: this client certificate (implies --tls)")
+    parser.add_argument("--tls-key", metavar="PEM", help="mutual TLS: its private key")
+    parser.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY", ""),
+                        help="sent as `authorization: Bearer KEY` (default: $PAGEDSERVE_API_KEY)")
+
+
+def connect(args: argparse.Namespace) -> grpc.Channel:
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key):
+        return grpc.insecure_channel(args.address)
+    try:
+        return grpc.secure_channel(args.address, channel_credentials(args.tls_ca, args.tls_cert, args.tls_key))
+    except TlsConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def call_metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default="127.0.0.1:50051")
+    add_connection_arguments(parser)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float)
@@ -42,9 +71,10 @@ def _fail(exc: grpc.RpcError) -> None:
 def generate_main(args: argparse.Namespace) -> None:
     request = pb.GenerateRequest(text=args.prompt, params=_params(args))
     texts: dict[int, list[str]] = {}
-    with grpc.insecure_channel(args.address) as channel:
+    with connect(args) as channel:
         try:
-            for chunk in pb_grpc.InferenceStub(channel).Generate(request, timeout=args.timeout):
+            for chunk in pb_grpc.InferenceStub(channel).Generate(request, timeout=args.timeout,
+                                                                   metadata=call_metadata(args)):
                 if args.n == 1:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
@@ -59,7 +89,7 @@ def generate_main(args: argparse.Namespace) -> None:
 
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default="127.0.0.1:50051")
+    add_connection_arguments(parser)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--system", help="a system message")
@@ -68,7 +98,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 def chat_main(args: argparse.Namespace) -> None:
     messages = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
     interactive = sys.stdin.isatty()
-    with grpc.insecure_channel(args.address) as channel:
+    with connect(args) as channel:
         stub = pb_grpc.InferenceStub(channel)
         while True:
             try:
@@ -84,7 +114,8 @@ def chat_main(args: argparse.Namespace) -> None:
             reply = []
             print("assistant> " if interactive else "", end="", flush=True)
             try:
-                for chunk in stub.Generate(pb.GenerateRequest(chat=pb.Chat(messages=messages), params=params)):
+                for chunk in stub.Generate(pb.GenerateRequest(chat=pb.Chat(messages=messages), params=params),
+                                           metadata=call_metadata(args)):
                     reply.append(chunk.text)
                     print(chunk.text, end="", flush=True)
             except grpc.RpcError as exc:
@@ -94,14 +125,14 @@ def chat_main(args: argparse.Namespace) -> None:
 
 
 def add_status_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default="127.0.0.1:50051")
+    add_connection_arguments(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object")
 
 
 def status_main(args: argparse.Namespace) -> None:
-    with grpc.insecure_channel(args.address) as channel:
+    with connect(args) as channel:
         try:
-            status = pb_grpc.InferenceStub(channel).Status(pb.StatusRequest(), timeout=10)
+            status = pb_grpc.InferenceStub(channel).Status(pb.StatusRequest(), timeout=10, metadata=call_metadata(args))
         except grpc.RpcError as exc:
             _fail(exc)
     fields = MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)

@@ -1,7 +1,8 @@
 """`pagedserve frontend`: the public API over a running block manager and executor.
 
 At start it checks that the two agree on the KV cache (block size and count, CPU pool), and that the
-tokenizer it loads belongs to the weights the executor serves; a mismatch is a clear startup error.
+tokenizer it loads belongs to the weights the executor serves; a mismatch is a clear startup error. So
+is a bad TLS or keys file (public_options.py), before anything is started.
 """
 
 from __future__ import annotations
@@ -14,17 +15,21 @@ from ...protos import inference_pb2 as pb
 from ...protos import inference_pb2_grpc as pb_grpc
 from ..block_manager.client import RemoteBlockManager
 from ..block_manager.stats import BlockStats
+from ..common.addresses import is_local_address
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from ..common.processes import wait_serving
+from ..common.tls import TlsConfigError
 from ..executor.client import RemoteExecutor
 from ..executor.model.registry import resolve_model
 from ..executor.model.tokenizer import load_tokenizer
 from ..executor.step_types import ExecutorInfo
 from .api import Backend, InferenceServicer
+from .auth import ApiKeyInterceptor, KeysFileError
 from .engine import Engine, EngineLimits, ModelIdentity
 from .engine_loop import EngineLoop
 from .exporter import start_exporter
 from .metrics import ServingMetrics
+from .public_options import PublicSettings, add_public_arguments, load_public_settings, positive_int
 from .scheduler import Scheduler, SchedulerConfig
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -51,15 +56,11 @@ def check_agreement(info: ExecutorInfo, stats: BlockStats) -> None:
                            + ". Start the block manager with the executor's numbers (see `pagedserve serve`).")
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:50051", help="unix:PATH or HOST:PORT")
+    parser.add_argument("--local-listen", metavar="unix:PATH", default="",
+                        help="also a plain unix socket for a supervisor on this machine (no TLS; health, Status, "
+                             "ListModels and Tokenize without a key; generation still needs one)")
     parser.add_argument("--block-manager", required=True, help="address of the block manager")
     parser.add_argument("--executor", required=True, help="address of the executor")
     parser.add_argument("--sidecar-timeout", type=float, default=300.0,
@@ -75,9 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan and send step N+1 while the executor runs step N (--no-overlap: in lock step)")
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="time-to-first-token objective")
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0, help="time-per-output-token objective")
+    add_public_arguments(parser)
 
 
-def connect(args: argparse.Namespace) -> Backend:
+def connect(args: argparse.Namespace, max_n: int) -> Backend:
     """Blocking: checks the sidecars agree, loads the tokenizer, starts the engine thread."""
     for address in (args.executor, args.block_manager):  # in a pod all three containers start at once
         wait_serving(address, args.sidecar_timeout)
@@ -96,7 +98,7 @@ def connect(args: argparse.Namespace) -> Backend:
         block_manager,
     )
     eos = frozenset(info.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
-    limits = EngineLimits(info.vocab_size, info.max_model_len, info.num_blocks, info.block_size, eos)
+    limits = EngineLimits(info.vocab_size, info.max_model_len, info.num_blocks, info.block_size, eos, max_n)
     identity = ModelIdentity(info.model_digest, tokenizer.name_or_path or info.model, tokenizer.chat_template or "",
                              info.dtype)
     metrics = ServingMetrics(args.ttft_slo_ms, args.tpot_slo_ms)
@@ -105,20 +107,28 @@ def connect(args: argparse.Namespace) -> Backend:
     return Backend(loop, tokenizer, info)
 
 
-async def serve(args: argparse.Namespace) -> None:
-    service = GrpcService(args.listen, [SERVICE_NAME])
-    servicer = InferenceServicer()
-    pb_grpc.add_InferenceServicer_to_server(servicer, service.server)
+async def serve(args: argparse.Namespace, settings: PublicSettings) -> None:
+    if settings.keys is not None:
+        log.info("API keys of %d tenants: every call needs one", len(settings.keys.tenants))
+    elif not is_local_address(args.listen):
+        log.warning("no --api-keys-file: every caller that reaches %s is trusted", args.listen)
+    interceptors = [ApiKeyInterceptor(settings.keys)] if settings.keys is not None else []
+    service = GrpcService(args.listen, [SERVICE_NAME], interceptors, settings.credentials, settings.max_message_bytes)
+    # the supervisor's socket: plain, without the interceptor (the servicer still wants a key to generate)
+    local = [GrpcService(args.local_listen, [SERVICE_NAME])] if args.local_listen else []
+    servicer = InferenceServicer(settings.keys, settings.limits)
+    for each in (service, *local):
+        pb_grpc.add_InferenceServicer_to_server(servicer, each.server)
 
     async def warm_up() -> None:
-        servicer.attach(await asyncio.to_thread(connect, args))
+        servicer.attach(await asyncio.to_thread(connect, args, settings.limits.max_n))
 
     exporter = None
     if args.metrics_listen:
         exporter, _ = start_exporter(args.metrics_listen, lambda: servicer.backend.loop if servicer.ready else None)
         log.info("metrics on http://%s/metrics", args.metrics_listen)
     try:
-        await serve_until_signalled(service, warm_up=warm_up)
+        await serve_until_signalled(service, warm_up=warm_up, also=local)
     finally:
         if exporter is not None:
             exporter.shutdown()
@@ -127,8 +137,15 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
+    if args.local_listen and not args.local_listen.startswith("unix:"):
+        raise SystemExit(f"frontend: --local-listen {args.local_listen}: must be unix:PATH (it asks no client "
+                         "certificate; the socket's file permissions guard it)")
     try:
-        run(serve(args), "frontend")
+        settings = load_public_settings(args)
+    except (TlsConfigError, KeysFileError) as exc:
+        raise SystemExit(f"frontend: {exc}") from None
+    try:
+        run(serve(args, settings), "frontend")
     except StartupError as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None

@@ -2,8 +2,10 @@
 
 The executor starts first (it sizes the KV cache), the block manager is started with the executor's
 numbers, then the frontend. All three talk over unix sockets in a private run directory; only the
-frontend listens on a TCP port. Ctrl-C or SIGTERM stops all three; a component that dies is reported
-with its last output and the others are stopped.
+frontend listens on a TCP port (with TLS and API keys when given). The supervisor itself waits for and
+watches the frontend through a plain socket in the run directory, so it needs neither a client
+certificate nor a key. Ctrl-C or SIGTERM stops all three; a component that dies is reported with its
+last output and the others are stopped.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ import grpc
 
 from ...protos import inference_pb2 as pb
 from ...protos import inference_pb2_grpc as pb_grpc
-from ..common.processes import ServiceProcess, start_service, stop_service
+from ..common.processes import ServiceProcess, start_service, stop_service, wait_serving
+from ..common.tls import TlsConfigError
 from ..executor.client import RemoteExecutor
 from ..executor.options import add_executor_arguments
+from .auth import KeysFileError
+from .public_options import add_public_arguments, load_public_settings, public_flags
 
 FRONTEND_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "preemption_mode", "ttft_slo_ms",
                   "tpot_slo_ms")
@@ -44,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0)
     parser.add_argument("--status-interval", type=float, default=1.0, help="seconds between status lines")
+    add_public_arguments(parser)
 
 
 def _executor_args(args: argparse.Namespace) -> list[str]:
@@ -67,6 +73,7 @@ class Stack:
         self.services: dict[str, ServiceProcess] = {}
         self.run_dir = tempfile.mkdtemp(prefix="pagedserve-")
         self.stopping = False
+        self.frontend_local = f"unix:{self.run_dir}/frontend.sock"  # the supervisor's own, plain listener
 
     def start(self, args: argparse.Namespace) -> str:
         self._start("executor", _executor_args(args), f"unix:{self.run_dir}/executor.sock", timeout=1800)
@@ -82,13 +89,18 @@ class Stack:
             frontend_args.append("--no-overlap")
         if args.metrics_port:
             frontend_args += ["--metrics-listen", f"{args.host}:{args.metrics_port}"]
-        self._start("frontend", frontend_args, f"{args.host}:{args.port}")
+        frontend_args += ["--local-listen", self.frontend_local, *public_flags(args)]
+        self._start("frontend", frontend_args, f"{args.host}:{args.port}", serving_at=self.frontend_local)
         return (f"pagedserve: serving {info.model} on {args.host}:{args.port} ({info.device}, {info.dtype}; "
                 f"{info.num_blocks} KV blocks of {info.block_size} tokens, {info.num_cpu_blocks} CPU swap blocks)")
 
-    def _start(self, name: str, argv: list[str], listen: str, timeout: float = 300.0) -> None:
+    def _start(self, name: str, argv: list[str], listen: str, timeout: float = 300.0, serving_at: str = "") -> None:
+        """Starts a component; waits until it is SERVING at its address, or at `serving_at` when given."""
         print(f"pagedserve: starting the {name} ...", file=sys.stderr, flush=True)
-        self.services[name] = start_service(argv, listen=listen, timeout=timeout)
+        self.services[name] = service = start_service(argv, listen=listen, timeout=timeout,
+                                                      until_serving=not serving_at)
+        if serving_at:
+            wait_serving(serving_at, timeout, service.proc)
 
     def dead(self) -> tuple[str, ServiceProcess] | None:
         return next(((n, s) for n, s in self.services.items() if s.proc.poll() is not None), None)
@@ -101,6 +113,10 @@ class Stack:
 
 
 def main(args: argparse.Namespace) -> None:
+    try:  # the frontend would refuse them too, but only after the model has loaded
+        load_public_settings(args)
+    except (TlsConfigError, KeysFileError) as exc:
+        raise SystemExit(f"pagedserve: {exc}") from None
     stack = Stack()
 
     def request_stop(signum: int, frame: Any) -> None:
@@ -111,7 +127,7 @@ def main(args: argparse.Namespace) -> None:
     code = 0
     try:
         print(stack.start(args), flush=True)
-        code = watch(stack, f"{args.host}:{args.port}", args.status_interval)
+        code = watch(stack, stack.frontend_local, args.status_interval)
     except Exception as exc:  # a component failed to start: say which, with its last words
         print(f"\npagedserve: {exc}", file=sys.stderr)
         code = 1
