@@ -207,7 +207,7 @@ class BlockManager:
         self, seq_id: int, num_tokens: int, append_token_ids: Sequence[int] = (), admission: bool = False
     ) -> Reservation:
         """Appends known tokens, then reserves slots for the next num_tokens tokens: all or nothing."""
-        seq = self._resident(seq_id)
+        seq, bs = self._resident(seq_id), self.block_size
         if num_tokens < 0:
             raise ValueError(f"reserve: num_tokens must be >= 0, got {num_tokens} for sequence {seq_id}")
         known = len(seq.token_ids) + len(append_token_ids)
@@ -219,6 +219,8 @@ class BlockManager:
         if self.num_blocks_to_reserve(seq, num_tokens) > self._budget(admission):
             return REFUSED_RESERVATION
         seq.token_ids.extend(append_token_ids)
+        if len(seq.block_hashes) < min(seq.num_computed, len(seq.token_ids)) // bs:
+            self._register_full_blocks(seq)  # a late token (overlapped steps) completed a computed block
         return self._grow(seq, num_tokens)
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> DecodeResult:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 from tiny_model import EOS, VOCAB
 
 from pagedserve.services.block_manager.manager import BlockManager
+from pagedserve.services.block_manager.step import Op, StepAnswer
 from pagedserve.services.executor.engine_config import build_runner
 from pagedserve.services.executor.options import ExecutorConfig
 from pagedserve.services.frontend.engine import Engine, EngineLimits, ModelIdentity
@@ -16,6 +17,15 @@ from pagedserve.services.frontend.ports import LocalBlockManager, LocalExecutor
 from pagedserve.services.frontend.scheduler import Scheduler, SchedulerConfig
 
 EngineFactory = Callable[..., tuple[Engine, BlockManager]]
+
+
+class CheckedBlockManager(LocalBlockManager):
+    """Every invariant of the block manager recomputed after each step's ops, not only at the end."""
+
+    def step(self, ops: Sequence[Op]) -> StepAnswer:
+        answer = super().step(ops)
+        self.manager.check_integrity()
+        return answer
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +54,7 @@ def make_engine(tiny_llama_dir: Path, runners: dict[tuple[int, int], object], ov
         scheduler = Scheduler(
             SchedulerConfig(block_size, info.max_model_len, max_num_seqs, max_num_batched_tokens,
                             preemption_mode),  # type: ignore[arg-type]
-            LocalBlockManager(manager),
+            CheckedBlockManager(manager),
         )
         limits = EngineLimits(VOCAB, info.max_model_len, num_blocks, block_size, frozenset({EOS}))
         identity = ModelIdentity(info.model_digest, "tiny", "", info.dtype)

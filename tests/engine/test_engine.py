@@ -72,6 +72,16 @@ def test_chunked_prefill_keeps_output(make_engine: EngineFactory) -> None:
     assert_no_leak(engine, manager)
 
 
+def test_a_one_token_request_leaves_its_prompt_in_the_prefix_cache(make_engine: EngineFactory) -> None:
+    engine, manager = make_engine()
+    one = GenerationParams(max_tokens=1, ignore_eos=True)
+    (cold,), _ = run(engine, [PROMPTS[3]], one)
+    (warm,), _ = run(engine, [PROMPTS[3]], one)
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 28
+    assert warm.seqs[0].output_token_ids == cold.seqs[0].output_token_ids
+    assert_no_leak(engine, manager)
+
+
 def test_prefix_hit_output_equals_cold_output(make_engine: EngineFactory) -> None:
     engine, manager = make_engine()
     (cold,), _ = run(engine, [PROMPTS[3]], GREEDY)
