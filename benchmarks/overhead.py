@@ -75,7 +75,7 @@ def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: boo
             frontend_args = ["frontend", "--block-manager", services[0].address, "--executor", executor_address,
                              "--model", model, "--max-num-seqs", str(num_seqs),
                              "--max-num-batched-tokens", str(max(2048, num_seqs * 32)),
-                             "--max-waiting-requests", str(num_seqs + 1)]
+                             "--max-waiting-requests", str(num_seqs + 1), "--max-streams-per-tenant", str(num_seqs)]
             services.append(start_service([*frontend_args, *([] if overlap else ["--no-overlap"])]))
             with grpc.insecure_channel(services[1].address) as channel:
                 stub = pb_grpc.InferenceStub(channel)

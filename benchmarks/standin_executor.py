@@ -60,7 +60,7 @@ class StandInServicer(ExecutorServicer):
         source = resolve_model(self.args.model)
         vocab_size = len(load_tokenizer(source))
         self.stand_in = StandInRunner(self.args.step_ms / 1000, vocab_size)
-        self.runner = self.stand_in  # type: ignore[assignment]  # the servicer only calls execute()
+        self.runner = self.stand_in  # type: ignore[assignment]  # the servicer calls only execute() and last_sampled
         self.info = pb.InfoResponse(
             model=self.args.model, model_digest=source.digest, dtype="float32", device="stand-in (a fixed hold)",
             vocab_size=vocab_size, max_model_len=self.args.max_model_len, block_size=self.args.block_size,

@@ -73,7 +73,7 @@ class ExecuteRequest(_message.Message):
     answered; a step that uses last-sampled tokens runs only after step_id - 1 (0: unnumbered).
     """
     epoch: _builtins.int
-    """of the last Reset; a step of another epoch is refused"""
+    """of the last Reset; another epoch's step: UNAVAILABLE"""
     @_builtins.property
     def swap_out(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockCopy]:
         """device block -> cpu block"""
@@ -270,6 +270,7 @@ class InfoResponse(_message.Message):
     NUM_CPU_BLOCKS_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     KERNEL_BACKEND_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """the name it was started with"""
     model_digest: _builtins.str
@@ -284,6 +285,8 @@ class InfoResponse(_message.Message):
     num_cpu_blocks: _builtins.int
     kernel_backend: _builtins.str
     """"triton" or "torch" """
+    epoch: _builtins.int
+    """of the last Reset (0: none since it started)"""
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -300,10 +303,11 @@ class InfoResponse(_message.Message):
         num_cpu_blocks: _builtins.int = ...,
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         kernel_backend: _builtins.str = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "kernel_backend", b"kernel_backend", "max_model_len", b"max_model_len", "model", b"model", "model_digest", b"model_digest", "num_blocks", b"num_blocks", "num_cpu_blocks", b"num_cpu_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "epoch", b"epoch", "kernel_backend", b"kernel_backend", "max_model_len", b"max_model_len", "model", b"model", "model_digest", b"model_digest", "num_blocks", b"num_blocks", "num_cpu_blocks", b"num_cpu_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -93,12 +93,15 @@ def stats_to_proto(stats: BlockStats) -> pb.Stats:
 
 
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):
-    def __init__(self, manager: BlockManager) -> None:
+    def __init__(self, manager: BlockManager, check_integrity: bool = False) -> None:
         self.manager = manager
+        self.check_integrity = check_integrity  # every invariant recomputed after each change (tests, soak)
 
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         ops = [op_from_proto(i, op) for i, op in enumerate(request.ops)]
         outcomes = apply_step(self.manager, ops)
+        if self.check_integrity:
+            self.manager.check_integrity()  # an AssertionError: INTERNAL, and the frontend fails its requests
         return pb.StepResponse(
             results=[outcome_to_proto(o) for o in outcomes], stats=stats_to_proto(self.manager.stats())
         )
@@ -108,6 +111,8 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
 
     async def Reset(self, request: pb.ResetRequest, context: grpc.aio.ServicerContext) -> pb.ResetResponse:
         self.manager.reset()
+        if self.check_integrity:
+            self.manager.check_integrity()
         return pb.ResetResponse(stats=stats_to_proto(self.manager.stats()))
 
 
@@ -123,6 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="token slots per block")
     parser.add_argument("--cpu-blocks", type=int, default=0, help="CPU swap pool size in blocks")
     parser.add_argument("--watermark", type=float, default=0.01, help="share of blocks kept for running sequences")
+    parser.add_argument("--check-integrity", action="store_true",
+                        help="recompute every invariant after each Step and Reset (slow: for tests and soak runs)")
 
 
 def executor_geometry(address: str, timeout: float) -> tuple[int, int, int]:
@@ -143,7 +150,7 @@ async def serve(args: argparse.Namespace) -> None:
                  args.block_size, args.cpu_blocks)
     manager = BlockManager(args.num_blocks, args.block_size, args.cpu_blocks, args.watermark)
     service = GrpcService(args.listen, [SERVICE_NAME])
-    pb_grpc.add_BlockManagerServicer_to_server(BlockManagerServicer(manager), service.server)
+    pb_grpc.add_BlockManagerServicer_to_server(BlockManagerServicer(manager, args.check_integrity), service.server)
     await serve_until_signalled(service)
 
 

@@ -15,10 +15,11 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
@@ -32,6 +33,11 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [  # clients of our services: the same message limits
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # a sidecar that restarts is back in seconds: reconnect within a second of it (gRPC's default backoff
+    # grows to two minutes)
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
@@ -81,38 +87,61 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         return cached[1]
 
 
+class _Unparsable(NamedTuple):
+    """A request whose bytes are not a message of the method's type. gRPC itself would answer UNKNOWN with
+    the parser's exception; the wrapped handler answers INVALID_ARGUMENT instead."""
+
+    error: str
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as exc:
+            return _Unparsable(str(exc))
+
+    return deserialize
+
+
+def _parsed(request: Any) -> Any:
+    if isinstance(request, _Unparsable):
+        raise InvalidRequest(f"request: {request.error}")
+    return request
+
+
 def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    deserializer = _tolerant(handler.request_deserializer)
     if handler.unary_unary is not None:
         inner_unary = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             with _server_span(method, context):
                 try:
-                    return await inner_unary(request, context)
+                    return await inner_unary(_parsed(request), context)
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
                 except Exception as exc:
                     await _abort(context, exc, method)
 
-        return grpc.unary_unary_rpc_method_handler(
-            unary_unary, handler.request_deserializer, handler.response_serializer
-        )
+        return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, handler.response_serializer)
     if handler.unary_stream is not None:
         inner_stream = handler.unary_stream
 
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             with _server_span(method, context):
                 try:
-                    async for response in inner_stream(request, context):
+                    async for response in inner_stream(_parsed(request), context):
                         yield response
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
                 except Exception as exc:
                     await _abort(context, exc, method)
 
-        return grpc.unary_stream_rpc_method_handler(
-            unary_stream, handler.request_deserializer, handler.response_serializer
-        )
+        return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, handler.response_serializer)
     return handler
 
 
@@ -159,6 +188,10 @@ class GrpcService:
 
     async def mark_serving(self) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def mark_not_serving(self) -> None:
+        """Up, but unable to serve for now (a frontend that lost a sidecar)."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def _set_health(self, status: int) -> None:
         for name in ["", *self.service_names]:

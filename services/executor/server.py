@@ -1,7 +1,9 @@
 """`pagedserve executor`: the model behind gRPC. Loads weights, sizes the KV cache, warms up, then serves.
 
 Health stays NOT_SERVING until the weights are loaded and a warm-up step has run. Steps run one at a time
-on a dedicated thread, so the event loop keeps answering health checks during a forward pass.
+on a dedicated thread, so the event loop keeps answering health checks during a forward pass. Steps carry
+the epoch of the frontend's last `Reset`: one of an older epoch (sent before the frontend lost this
+executor or its block manager) is refused, or skipped if it was queued already, and never touches the cache.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.last_queued = 0  # the last numbered step handed to the step thread
         self.num_outstanding = 0  # steps handed to the step thread, not ended
         self.order = asyncio.Condition()
+        self.epoch = 0
 
     async def load(self) -> None:
         """Loads the model and runs the warm-up step on the step thread, off the event loop."""
@@ -92,12 +95,14 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         if runner is None:
             raise NotReady("the model is still loading")
         step = step_from_proto(request)
+        if request.epoch != self.epoch:  # UNAVAILABLE: to its sender this executor is lost (restarted, or reset)
+            raise NotReady(f"epoch: the step is of epoch {request.epoch}, the executor's is {self.epoch}")
         if step.step_id and any(seq.token_ids[:1] == [LAST_SAMPLED] for seq in step.sequences):
             # step N+1 is sent before step N answers: it must not be queued for the step thread (which runs
             # steps in the order they are queued) before step N, while step N may still come
             async with self.order:
                 await self.order.wait_for(lambda: self.last_queued >= step.step_id - 1 or not self.num_outstanding)
-        running = asyncio.get_running_loop().run_in_executor(self.thread, runner.execute, step)
+        running = asyncio.get_running_loop().run_in_executor(self.thread, self._run_step, runner, step, request.epoch)
         self.num_outstanding += 1
         async with self.order:
             self.last_queued = step.step_id or self.last_queued
@@ -110,10 +115,29 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 self.order.notify_all()
         return tokens_to_proto(tokens)
 
+    def _run_step(self, runner: ModelRunner, step: StepInput, epoch: int) -> list[SampledToken]:
+        """On the step thread: a step queued before a Reset is void."""
+        if epoch != self.epoch:
+            raise NotReady(f"epoch: the step is of epoch {epoch}, the executor moved on to {self.epoch}")
+        return runner.execute(step)
+
+    async def Reset(self, request: pb.ResetRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        runner = self.runner
+        if runner is None or self.info is None:
+            raise NotReady("the model is still loading")
+        self.epoch = request.epoch
+        # the step thread runs in order: once this has run, every step queued before has run or been skipped
+        await asyncio.get_running_loop().run_in_executor(self.thread, runner.last_sampled.clear)
+        self.last_queued = 0
+        return await self.Info(pb.InfoRequest(), context)
+
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         if self.info is None:
             raise NotReady("the model is still loading")
-        return self.info
+        info = pb.InfoResponse()
+        info.CopyFrom(self.info)
+        info.epoch = self.epoch
+        return info
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -102,3 +102,4 @@ class ExecutorInfo:
     num_cpu_blocks: int
     eos_token_ids: tuple[int, ...]
     kernel_backend: str
+    epoch: int = 0  # of the frontend's last Reset (a remote executor's)

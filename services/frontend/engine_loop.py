@@ -3,7 +3,10 @@
 The engine and scheduler are touched only by the engine thread: the API thread sends it commands
 (add, abort, finish a sample) and receives each request's outputs on an asyncio queue. A step that fails
 (an executor or block-manager error) fails the requests in flight with that error and frees their blocks;
-the loop goes on. The waiting queue is bounded: past `max_waiting_requests` a new request is refused with
+the loop goes on. A step that finds a sidecar lost (recovery.py) fails nothing: every request waits to be
+recomputed while the loop re-synchronises the sidecars, and goes on where it was once they answer; only past
+`recovery_timeout` (or when a sidecar comes back with another cache) are requests failed, UNAVAILABLE. The
+waiting queue is bounded: past `max_waiting_requests` a new request is refused with
 OutOfCapacity (RESOURCE_EXHAUSTED) at once, rather than queued behind work it cannot overtake.
 """
 
@@ -13,21 +16,26 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 from opentelemetry import trace
 
-from ..common.errors import OutOfCapacity
+from ..common.errors import NotReady, OutOfCapacity
 from ..common.tracing import tracer, tracing_enabled
 from .engine import Engine
 from .metrics import ServingMetrics, latency
+from .recovery import CacheMismatch, Sidecars, is_sidecar_loss
 from .request import FinishReason, GenerationParams, StepOutput
 
 log = logging.getLogger(__name__)
 
 Event = StepOutput | BaseException | None  # None: the request is over
+RESYNC_INTERVAL = 0.5  # seconds between attempts to re-synchronise lost sidecars
+PROBE_INTERVAL = 1.0  # seconds between an idle engine's checks that both sidecars are there
 
 
 @dataclass
@@ -53,9 +61,20 @@ def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: ServingMetrics, max_waiting_requests: int) -> None:
+    def __init__(
+        self, engine: Engine, metrics: ServingMetrics, max_waiting_requests: int, sidecars: Sidecars | None = None,
+        recovery_timeout: float = 120.0, on_availability: Callable[[bool], None] = lambda available: None,
+    ) -> None:
+        """With `sidecars`, a lost sidecar is waited for (see the module); `on_availability` hears of each
+        loss and return, on the engine thread (the server's health status follows it)."""
         self.engine, self.metrics, self.max_waiting_requests = engine, metrics, max_waiting_requests
+        self.sidecars, self.recovery_timeout, self.on_availability = sidecars, recovery_timeout, on_availability
         self.num_refused = 0  # requests refused because the queue was full
+        self.down_since: float | None = None  # when a sidecar was lost (None: both answer)
+        self.down_reason = ""
+        self.refusing = ""  # why new requests are refused at once while down (too long, another cache)
+        self.num_recoveries = 0
+        self._next_resync = 0.0
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -84,6 +103,8 @@ class EngineLoop:
     ) -> asyncio.Queue[Event]:
         """Validates now (raising InvalidRequest or OutOfCapacity), then queues the request. With final_only,
         only its last output and the end come back (no wake-up per step for a caller that waits for all)."""
+        if self.refusing:
+            raise NotReady(self.refusing)
         self.engine.check(prompt, params)
         events: asyncio.Queue[Event] = asyncio.Queue()
         subscriber = _Subscriber(asyncio.get_running_loop(), events, trace.get_current_span().get_span_context(),
@@ -108,20 +129,36 @@ class EngineLoop:
         while not self._stopping:
             if not self._commands.empty():
                 while not self._commands.empty():
-                    self._commands.get()()
+                    self._command(self._commands.get())
                 self.status = self._status()
+            if self.down_since is not None:
+                self._resync()
+                continue
             if not self.engine.has_work:
-                self._wake.wait(timeout=1.0)
+                if not self._wake.wait(timeout=PROBE_INTERVAL):
+                    self._probe()
                 self._wake.clear()
                 continue
             try:
                 outputs = self._step()
             except Exception as exc:
-                log.exception("engine step failed: failing the requests in flight")
-                self._fail_all(exc)
+                if self.sidecars is not None and is_sidecar_loss(exc):
+                    self._lose(exc)
+                else:
+                    log.exception("engine step failed: failing the requests in flight")
+                    self._fail_all(exc)
                 continue
             self._deliver(outputs)
             self.status = self._status()
+
+    def _command(self, command: Callable[[], None]) -> None:
+        try:
+            command()
+        except Exception as exc:  # an abort's frees could not be sent: the block manager is lost too
+            if self.sidecars is None or not is_sidecar_loss(exc):
+                log.exception("engine command failed")
+            elif self.down_since is None:
+                self._lose(exc)
 
     def _step(self) -> list[StepOutput]:
         if not tracing_enabled():
@@ -197,6 +234,66 @@ class EngineLoop:
             log.exception("could not reset the block manager after a failed step")
         self.status = self._status()
 
+    def _probe(self) -> None:
+        if self.sidecars is None:
+            return
+        try:
+            self.sidecars.probe()
+        except Exception as exc:
+            if is_sidecar_loss(exc):
+                self._lose(exc)
+            else:
+                log.exception("probing the sidecars failed")
+
+    def _lose(self, exc: Exception) -> None:
+        """A sidecar is gone: every request waits, to be recomputed once both answer again."""
+        self.engine.scheduler.restart()
+        self.down_since, self._next_resync = time.monotonic(), 0.0
+        self.down_reason = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+        log.warning("lost a sidecar (%s): %d request(s) wait to be recomputed", self.down_reason,
+                    len(self.engine.scheduler.requests))
+        self.on_availability(False)
+        self.status = self._status()
+
+    def _resync(self) -> None:
+        """One attempt (at most every RESYNC_INTERVAL) to re-synchronise the sidecars; else waits for commands."""
+        assert self.sidecars is not None and self.down_since is not None
+        now = time.monotonic()
+        if now < self._next_resync:
+            self._wake.wait(timeout=self._next_resync - now)
+            self._wake.clear()
+            return
+        self._next_resync = now + RESYNC_INTERVAL
+        try:
+            stats = self.sidecars.sync()
+        except CacheMismatch as exc:
+            if self.refusing != str(exc):
+                log.error("%s", exc)
+            self._refuse(str(exc))
+            return
+        except grpc.RpcError as exc:
+            if now - self.down_since > self.recovery_timeout:
+                self._refuse(f"a sidecar has not answered for {now - self.down_since:.0f} s"
+                             f" (--recovery-timeout {self.recovery_timeout:g}): {exc.code().name}")
+            return
+        self.engine.scheduler.stats = stats
+        log.warning("sidecars back after %.1f s: resuming %d request(s)", now - self.down_since,
+                    len(self.engine.scheduler.requests))
+        self.down_since, self.down_reason, self.refusing = None, "", ""
+        self.num_recoveries += 1
+        self.on_availability(True)
+        self.status = self._status()
+
+    def _refuse(self, reason: str) -> None:
+        """Fails every request with UNAVAILABLE and refuses new ones until the sidecars are back."""
+        self.refusing = reason
+        for request_id in list(self.engine.scheduler.requests):
+            subscriber = self._subscribers.pop(request_id, None)
+            self.engine.abort(request_id)  # nothing is held in the block manager: only local state goes
+            if subscriber is not None:
+                subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, NotReady(reason))
+        self.status = self._status()
+
     def _num_waiting_requests(self) -> int:
         """Requests with a sequence waiting for admission: new ones, and preempted ones to be recomputed."""
         return len({seq.request.request_id for seq in self.engine.scheduler.waiting})
@@ -211,4 +308,6 @@ class EngineLoop:
             "num_preemptions_recompute": scheduler.num_preemptions["recompute"],
             "num_preemptions_swap": scheduler.num_preemptions["swap"],
             "num_refused": self.num_refused,
+            "available": self.down_since is None,
+            "num_recoveries": self.num_recoveries,
         }

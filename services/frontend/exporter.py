@@ -1,6 +1,6 @@
 """Prometheus exposition of a pod's load: `GET /metrics` on `--metrics-listen` (the operator's and HPA's input),
-beside the kubelet's probes: `/readyz` (200 once the engine runs over both sidecars) and `/healthz` (200 unless
-the engine thread died).
+beside the kubelet's probes: `/readyz` (200 once the engine runs over both sidecars, 503 while one is lost) and
+`/healthz` (200 unless the engine thread died: a lost sidecar is waited for, not a reason to restart).
 
 Nothing is counted twice: each scrape reads the engine loop's latest status (queues, block stats from the
 block manager, preemptions, refusals) and the serving metrics' sliding window (goodput, latency percentiles),
@@ -37,6 +37,10 @@ class ServingCollector(Collector):
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(f"pagedserve_{name}", doc, value=value)
 
+        yield gauge("sidecars_available", "1 while both sidecars answer; 0 while one is lost and requests wait",
+                    status["available"])
+        yield CounterMetricFamily("pagedserve_sidecar_recoveries", "times the engine resumed after losing a sidecar",
+                                  value=status["num_recoveries"])
         yield gauge("running_seqs", "sequences in the running batch", status["num_running"])
         yield gauge("waiting_seqs", "sequences waiting for admission (new or preempted)", status["num_waiting"])
         yield gauge("swapped_seqs", "sequences swapped out to the CPU pool", status["num_swapped"])
@@ -91,9 +95,13 @@ def start_exporter(listen: str, engine_loop: Callable[[], EngineLoop | None]) ->
         if path not in ("/readyz", "/healthz"):
             return metrics_app(environ, start_response)
         loop = engine_loop()
-        ok = loop is not None and loop.alive if path == "/readyz" else loop is None or loop.alive
+        if path == "/healthz":
+            ok, why = loop is None or loop.alive, b"engine thread stopped\n"
+        else:
+            ok = loop is not None and loop.alive and loop.status["available"]
+            why = b"not ready\n" if loop is None else b"a sidecar is lost\n"
         start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
-        return [b"ok\n" if ok else b"not ready\n" if loop is None else b"engine thread stopped\n"]
+        return [b"ok\n" if ok else why]
 
     server = make_server(host.strip("[]") or "127.0.0.1", int(port), app, ThreadingWSGIServer, _QuietHandler)
     thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)

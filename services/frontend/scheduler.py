@@ -105,6 +105,17 @@ class Scheduler:
         self._forget_if_done(request)
         return StepOutput(request, outputs)
 
+    def restart(self) -> None:
+        """Every sequence back to the waiting queue, to be prefilled again from the tokens it has: the block
+        manager and the executor start over (a lost sidecar). Tokens being sampled are void; they were never
+        seen, so nothing streamed repeats, and seeded draws depend only on (seed, position)."""
+        resumed = [*self.running, *self.swapped]  # running in admission order, then swapped: keep that order
+        self.running, self.swapped, self.pending, self.starved = [], deque(), [], False
+        for seq in reversed(resumed):
+            self._requeue_for_recompute(seq)
+        for seq in self.waiting:
+            seq.num_pending = 0
+
     def flush(self) -> None:
         """Sends pending frees now (a cancelled request must not hold blocks until the next step)."""
         if self.pending:
@@ -382,6 +393,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> SequenceOutput:
+        if seq.status is SeqStatus.RUNNING and seq.num_committed < seq.num_computed:
+            # its computed blocks join the prefix cache before they are freed (a one-token request's prompt
+            # too). Steps still in flight that write them run before any step that could hit them.
+            self.pending.append(CommitOp(seq.seq_id, seq.num_computed))
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPED):
             self.pending.append(FreeOp(seq.seq_id))
         for queue in (self.running, self.waiting, self.swapped):

@@ -1,7 +1,8 @@
 """`pagedserve frontend`: the public API over a running block manager and executor.
 
 At start it checks that the two agree on the KV cache (block size and count, CPU pool), and that the
-tokenizer it loads belongs to the weights the executor serves; a mismatch is a clear startup error. So
+tokenizer it loads belongs to the weights the executor serves; a mismatch is a clear startup error. After
+that, a lost sidecar is waited for (recovery.py): health is NOT_SERVING until both answer again. So
 is a bad TLS or keys file (public_options.py), before anything is started.
 """
 
@@ -10,11 +11,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections.abc import Callable
 
 from ...protos import inference_pb2 as pb
 from ...protos import inference_pb2_grpc as pb_grpc
 from ..block_manager.client import RemoteBlockManager
-from ..block_manager.stats import BlockStats
 from ..common.addresses import is_local_address
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from ..common.processes import wait_serving
@@ -22,7 +23,6 @@ from ..common.tls import TlsConfigError
 from ..executor.client import RemoteExecutor
 from ..executor.model.registry import resolve_model
 from ..executor.model.tokenizer import load_tokenizer
-from ..executor.step_types import ExecutorInfo
 from .api import Backend, InferenceServicer
 from .auth import ApiKeyInterceptor, KeysFileError
 from .engine import Engine, EngineLimits, ModelIdentity
@@ -30,6 +30,7 @@ from .engine_loop import EngineLoop
 from .exporter import start_exporter
 from .metrics import ServingMetrics
 from .public_options import PublicSettings, add_public_arguments, load_public_settings, positive_int
+from .recovery import CacheMismatch, Sidecars
 from .scheduler import Scheduler, SchedulerConfig
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -38,22 +39,6 @@ log = logging.getLogger(__name__)
 
 class StartupError(RuntimeError):
     pass
-
-
-def check_agreement(info: ExecutorInfo, stats: BlockStats) -> None:
-    """The block manager hands out ids of blocks that the executor's tensors must hold."""
-    mismatches = [
-        f"{name}: executor {ours}, block manager {theirs}"
-        for name, ours, theirs in (
-            ("block size", info.block_size, stats.block_size),
-            ("KV blocks", info.num_blocks, stats.num_total_blocks),
-            ("CPU swap blocks", info.num_cpu_blocks, stats.num_cpu_blocks),
-        )
-        if ours != theirs
-    ]
-    if mismatches:
-        raise StartupError("the block manager and the executor disagree on the KV cache: " + "; ".join(mismatches)
-                           + ". Start the block manager with the executor's numbers (see `pagedserve serve`).")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor", required=True, help="address of the executor")
     parser.add_argument("--sidecar-timeout", type=float, default=300.0,
                         help="seconds to wait for the executor and block manager to serve (model load)")
+    parser.add_argument("--step-timeout", type=float, default=120.0,
+                        help="seconds a sidecar call (a step, at most) may take before the sidecar counts as lost")
+    parser.add_argument("--recovery-timeout", type=float, default=120.0,
+                        help="seconds requests wait for a lost sidecar before they fail with UNAVAILABLE")
     parser.add_argument("--model", default="smollm2-135m", help="the model the executor serves (for its tokenizer)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=64, help="cap on running sequences")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512, help="token budget per step")
@@ -79,19 +68,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_public_arguments(parser)
 
 
-def connect(args: argparse.Namespace, max_n: int) -> Backend:
+def connect(args: argparse.Namespace, max_n: int, on_availability: Callable[[bool], None]) -> Backend:
     """Blocking: checks the sidecars agree, loads the tokenizer, starts the engine thread."""
     for address in (args.executor, args.block_manager):  # in a pod all three containers start at once
         wait_serving(address, args.sidecar_timeout)
-    executor, block_manager = RemoteExecutor(args.executor), RemoteBlockManager(args.block_manager)
-    info = executor.info()
-    check_agreement(info, block_manager.stats())
+    executor = RemoteExecutor(args.executor, timeout=args.step_timeout)
+    block_manager = RemoteBlockManager(args.block_manager, timeout=args.step_timeout)
+    sidecars = Sidecars(executor, block_manager)
+    try:  # nothing in the cache is ours, and no step of an earlier frontend may still run: start clean
+        sidecars.sync()
+    except CacheMismatch as exc:
+        raise StartupError(str(exc)) from None
+    info = sidecars.info
+    assert info is not None
     source = resolve_model(args.model)
     if source.digest != info.model_digest:
         raise StartupError(f"--model {args.model} ({source.digest}) is not what the executor serves "
                            f"({info.model}, {info.model_digest})")
     tokenizer = load_tokenizer(source)
-    block_manager.reset()  # nothing in the cache is ours: a restarted frontend starts clean
     scheduler = Scheduler(
         SchedulerConfig(info.block_size, info.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
                         args.preemption_mode),
@@ -102,7 +96,8 @@ def connect(args: argparse.Namespace, max_n: int) -> Backend:
     identity = ModelIdentity(info.model_digest, tokenizer.name_or_path or info.model, tokenizer.chat_template or "",
                              info.dtype)
     metrics = ServingMetrics(args.ttft_slo_ms, args.tpot_slo_ms)
-    loop = EngineLoop(Engine(scheduler, executor, limits, identity, args.overlap), metrics, args.max_waiting_requests)
+    loop = EngineLoop(Engine(scheduler, executor, limits, identity, args.overlap), metrics, args.max_waiting_requests,
+                      sidecars, args.recovery_timeout, on_availability)
     loop.start()
     return Backend(loop, tokenizer, info)
 
@@ -120,8 +115,15 @@ async def serve(args: argparse.Namespace, settings: PublicSettings) -> None:
     for each in (service, *local):
         pb_grpc.add_InferenceServicer_to_server(servicer, each.server)
 
+    event_loop = asyncio.get_running_loop()
+
+    def on_availability(available: bool) -> None:  # from the engine thread
+        for each in (service, *local):
+            mark = each.mark_serving if available else each.mark_not_serving
+            asyncio.run_coroutine_threadsafe(mark(), event_loop)
+
     async def warm_up() -> None:
-        servicer.attach(await asyncio.to_thread(connect, args, settings.limits.max_n))
+        servicer.attach(await asyncio.to_thread(connect, args, settings.limits.max_n, on_availability))
 
     exporter = None
     if args.metrics_listen:

@@ -4,8 +4,9 @@ The executor starts first (it sizes the KV cache), the block manager is started 
 numbers, then the frontend. All three talk over unix sockets in a private run directory; only the
 frontend listens on a TCP port (with TLS and API keys when given). The supervisor itself waits for and
 watches the frontend through a plain socket in the run directory, so it needs neither a client
-certificate nor a key. Ctrl-C or SIGTERM stops all three; a component that dies is reported with its
-last output and the others are stopped.
+certificate nor a key. Ctrl-C or SIGTERM stops all three. A component that dies is reported with its last
+output and started again (the frontend waits for a lost sidecar and resumes its requests; a restarted
+frontend loses only its own in-flight requests), unless it keeps dying: then all three stop.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from .auth import KeysFileError
 from .public_options import add_public_arguments, load_public_settings, public_flags
 
 FRONTEND_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "preemption_mode", "ttft_slo_ms",
-                  "tpot_slo_ms")
+                  "tpot_slo_ms", "step_timeout", "recovery_timeout")
+RESTART_WINDOW_S = 300.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0)
     parser.add_argument("--status-interval", type=float, default=1.0, help="seconds between status lines")
+    parser.add_argument("--step-timeout", type=float, default=120.0,
+                        help="seconds a sidecar call (a step, at most) may take before the sidecar counts as lost")
+    parser.add_argument("--recovery-timeout", type=float, default=120.0,
+                        help="seconds requests wait for a lost sidecar before they fail with UNAVAILABLE")
+    parser.add_argument("--max-restarts", type=int, default=5,
+                        help=f"restarts of a component within {RESTART_WINDOW_S:g} s before all stop (0: stop at once)")
     add_public_arguments(parser)
 
 
@@ -69,8 +77,14 @@ def status_line(status: pb.StatusResponse) -> str:
 
 
 class Stack:
-    def __init__(self) -> None:
+    """The three processes; one that exits is started again with the same arguments on the same socket (the
+    frontend rides out a lost sidecar), unless it died `max_restarts` times within RESTART_WINDOW_S."""
+
+    def __init__(self, max_restarts: int = 5) -> None:
         self.services: dict[str, ServiceProcess] = {}
+        self.launches: dict[str, tuple[list[str], str, float, str]] = {}  # name -> _start's arguments
+        self.deaths: dict[str, list[float]] = {}  # name -> when it was found dead, within the window
+        self.max_restarts = max_restarts
         self.run_dir = tempfile.mkdtemp(prefix="pagedserve-")
         self.stopping = False
         self.frontend_local = f"unix:{self.run_dir}/frontend.sock"  # the supervisor's own, plain listener
@@ -97,6 +111,7 @@ class Stack:
     def _start(self, name: str, argv: list[str], listen: str, timeout: float = 300.0, serving_at: str = "") -> None:
         """Starts a component; waits until it is SERVING at its address, or at `serving_at` when given."""
         print(f"pagedserve: starting the {name} ...", file=sys.stderr, flush=True)
+        self.launches[name] = (argv, listen, timeout, serving_at)
         self.services[name] = service = start_service(argv, listen=listen, timeout=timeout,
                                                       until_serving=not serving_at)
         if serving_at:
@@ -104,6 +119,19 @@ class Stack:
 
     def dead(self) -> tuple[str, ServiceProcess] | None:
         return next(((n, s) for n, s in self.services.items() if s.proc.poll() is not None), None)
+
+    def revive(self, name: str) -> bool:
+        """Starts a dead component again (after a back-off when it keeps dying); False when it died too often."""
+        now = time.monotonic()
+        deaths = self.deaths[name] = [t for t in self.deaths.get(name, []) if now - t < RESTART_WINDOW_S] + [now]
+        if len(deaths) > self.max_restarts:
+            return False
+        time.sleep(min(2.0 ** (len(deaths) - 2), 30.0) if len(deaths) > 1 else 0.0)
+        try:
+            self._start(name, *self.launches[name])
+        except Exception as exc:  # it died again while starting: found dead next round, and counted
+            print(f"pagedserve: the {name} failed to start again: {exc}", file=sys.stderr, flush=True)
+        return True
 
     def stop(self) -> None:
         for name in ("frontend", "block-manager", "executor"):
@@ -117,7 +145,7 @@ def main(args: argparse.Namespace) -> None:
         load_public_settings(args)
     except (TlsConfigError, KeysFileError) as exc:
         raise SystemExit(f"pagedserve: {exc}") from None
-    stack = Stack()
+    stack = Stack(args.max_restarts)
 
     def request_stop(signum: int, frame: Any) -> None:
         stack.stopping = True
@@ -146,7 +174,12 @@ def watch(stack: Stack, address: str, interval: float) -> int:
             if dead is not None:
                 name, service = dead
                 tail = "".join(service.output[-20:])
-                print(f"\npagedserve: the {name} exited with code {service.proc.returncode}; stopping.\n{tail}",
+                if not stack.stopping and stack.revive(name):
+                    print(f"\npagedserve: the {name} exited with code {service.proc.returncode}; started it again"
+                          f"\n{tail}", file=sys.stderr, flush=True)
+                    continue
+                print(f"\npagedserve: the {name} exited with code {service.proc.returncode}"
+                      f" ({len(stack.deaths.get(name, []))} times in {RESTART_WINDOW_S:g} s); stopping.\n{tail}",
                       file=sys.stderr, flush=True)
                 return 1
             try:

@@ -4,13 +4,17 @@ real tokenizer and chat template, so text goes through every layer."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -21,6 +25,7 @@ from stack_testing import PROMPTS, Pod
 
 from pagedserve.operator.scrape import parse_pod_metrics
 from pagedserve.protos import inference_pb2 as pb
+from pagedserve.protos import inference_pb2_grpc as pb_grpc
 
 
 @pytest.fixture(scope="module", params=["--overlap", "--no-overlap"])
@@ -282,16 +287,20 @@ def test_logprobs_and_chat_client(pod: Pod) -> None:
     assert len([line for line in chat.stdout.splitlines() if line.strip()]) == 2  # one reply per message
 
 
-def test_serve_reports_a_component_that_dies(tiny_chat_model_dir: Path) -> None:
-    import argparse
-
-    from pagedserve.services.frontend.stack import Stack, add_arguments, watch
+def stack_args(model: Path, *extra: str) -> argparse.Namespace:
+    from pagedserve.services.frontend.stack import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--model", str(tiny_chat_model_dir), "--port", str(free_port()), "--device", "cpu",
-                              "--num-blocks", "32", "--block-size", "4"])
-    stack = Stack()
+    return parser.parse_args(["--model", str(model), "--port", str(free_port()), "--device", "cpu", "--block-size",
+                              "4", *extra])
+
+
+def test_serve_stops_when_a_component_dies_and_restarts_are_off(tiny_chat_model_dir: Path) -> None:
+    from pagedserve.services.frontend.stack import Stack, watch
+
+    args = stack_args(tiny_chat_model_dir, "--num-blocks", "32", "--max-restarts", "0")
+    stack = Stack(args.max_restarts)
     try:
         stack.start(args)
         stack.services["executor"].proc.kill()  # a process this test started (through the stack)
@@ -299,6 +308,48 @@ def test_serve_reports_a_component_that_dies(tiny_chat_model_dir: Path) -> None:
     finally:
         stack.stop()
     assert all(s.proc.poll() is not None for s in stack.services.values())
+
+
+def test_serve_starts_a_dead_sidecar_again_and_the_streams_go_on(tiny_chat_model_dir: Path) -> None:
+    from pagedserve.services.frontend.stack import Stack, watch
+
+    args = stack_args(tiny_chat_model_dir, "--num-blocks", "256")
+    stack = Stack(args.max_restarts)
+    stack.start(args)
+    watcher = threading.Thread(target=watch, args=(stack, stack.frontend_local, 0.05))
+    watcher.start()
+    chunks = [0]
+
+    def stream(stub: pb_grpc.InferenceStub, prompt: str) -> list[int]:
+        params = pb.GenerationParameters(max_tokens=150, ignore_eos=True)
+        tokens = []
+        for chunk in stub.Generate(pb.GenerateRequest(text=prompt, params=params), timeout=300):
+            tokens += chunk.token_ids
+            chunks[0] += 1
+        return tokens
+
+    def after_progress(count: int) -> None:
+        deadline = time.monotonic() + 120
+        while chunks[0] < count:
+            assert time.monotonic() < deadline, "the streams made no progress"
+            time.sleep(0.005)
+
+    try:
+        with grpc.insecure_channel(f"{args.host}:{args.port}") as channel, ThreadPoolExecutor(len(PROMPTS)) as pool:
+            stub = pb_grpc.InferenceStub(channel)
+            expected = [stream(stub, p) for p in PROMPTS]
+            futures = [pool.submit(stream, stub, p) for p in PROMPTS]
+            for name in ("executor", "block-manager"):  # processes this test started, through the stack
+                after_progress(chunks[0] + len(PROMPTS))
+                killed = stack.services[name]
+                killed.proc.kill()
+            assert [f.result() for f in futures] == expected
+            assert killed is not stack.services["block-manager"] and stack.services["block-manager"].proc.poll() is None
+            assert sorted(stack.deaths) == ["block-manager", "executor"]
+    finally:
+        stack.stopping = True
+        watcher.join(timeout=60)
+        stack.stop()
 
 
 def test_every_dashboard_query_uses_only_exported_metrics(pod: Pod) -> None:

@@ -1,0 +1,82 @@
+"""The frontend's two sidecars as one thing to (re)synchronise: at startup, and after either was lost.
+
+A sidecar is lost when a call to it fails with UNAVAILABLE (the process died, the socket is gone; or the
+executor is not in the frontend's epoch: it restarted) or DEADLINE_EXCEEDED (it stopped answering within the
+step deadline); an idle frontend probes for the same. Any other failure is a bad step, not a lost sidecar.
+Synchronising starts a new executor epoch (steps sent before are dropped, never run into blocks handed out
+again), empties the block manager, and checks that both still describe the cache and weights the
+engine was built for: a sidecar that comes back different is refused, clearly, and the frontend stays down.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import grpc
+
+from ..block_manager.client import RemoteBlockManager
+from ..block_manager.stats import BlockStats
+from ..executor.client import RemoteExecutor
+from ..executor.step_types import ExecutorInfo
+
+LOSS_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# what a restarted executor must still have for the engine's requests, limits and prefix namespace to hold
+SAME_EXECUTOR = ("model_digest", "dtype", "vocab_size", "max_model_len", "block_size", "num_blocks", "num_cpu_blocks")
+
+
+class CacheMismatch(RuntimeError):
+    """The sidecars disagree with each other, or one came back with another cache or model."""
+
+
+class ExecutorRestarted(RuntimeError):
+    """The executor answers, but not in the frontend's epoch: it is a new process."""
+
+
+def is_sidecar_loss(exc: BaseException) -> bool:
+    return isinstance(exc, ExecutorRestarted) or (isinstance(exc, grpc.RpcError) and exc.code() in LOSS_CODES)
+
+
+def check_agreement(info: ExecutorInfo, stats: BlockStats) -> None:
+    """The block manager hands out ids of blocks that the executor's tensors must hold."""
+    mismatches = [
+        f"{name}: executor {ours}, block manager {theirs}"
+        for name, ours, theirs in (
+            ("block size", info.block_size, stats.block_size),
+            ("KV blocks", info.num_blocks, stats.num_total_blocks),
+            ("CPU swap blocks", info.num_cpu_blocks, stats.num_cpu_blocks),
+        )
+        if ours != theirs
+    ]
+    if mismatches:
+        raise CacheMismatch("the block manager and the executor disagree on the KV cache: " + "; ".join(mismatches)
+                            + ". Start the block manager with the executor's numbers (see `pagedserve serve`).")
+
+
+class Sidecars:
+    def __init__(self, executor: RemoteExecutor, block_manager: RemoteBlockManager) -> None:
+        self.executor, self.block_manager = executor, block_manager
+        self.info: ExecutorInfo | None = None  # what the engine was built for, from the first sync
+        # a fresh start point: an executor that outlived an earlier frontend drops that frontend's steps too
+        self.epoch = secrets.randbits(62)
+
+    def sync(self) -> BlockStats:
+        """Resets both (the executor first: it drains its old steps); CacheMismatch if either changed."""
+        self.epoch += 1
+        info = self.executor.reset(self.epoch)
+        if self.info is not None:
+            changed = [f"{name} {getattr(self.info, name)} -> {getattr(info, name)}"
+                       for name in SAME_EXECUTOR if getattr(self.info, name) != getattr(info, name)]
+            if changed:
+                raise CacheMismatch("the executor came back with another cache or model (" + ", ".join(changed)
+                                    + "): refused; restart it with the flags it had, or restart the frontend")
+        stats = self.block_manager.reset()
+        check_agreement(info, stats)
+        self.info = self.info or info
+        return stats
+
+    def probe(self) -> None:
+        """Raises a sidecar loss unless both answer, the executor in this epoch (an idle frontend's check)."""
+        epoch = self.executor.info().epoch
+        if epoch != self.epoch:
+            raise ExecutorRestarted(f"the executor is at epoch {epoch}, not {self.epoch}: it restarted")
+        self.block_manager.stats()
