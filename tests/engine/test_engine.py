@@ -182,3 +182,36 @@ def test_parallel_samples_of_a_one_token_prompt(make_engine: EngineFactory) -> N
                                                                   ignore_eos=True))
         assert lone.seqs[0].output_token_ids == sample
     assert_no_leak(engine, manager)
+
+
+@pytest.mark.parametrize("after_steps", [1, 7, 15])
+def test_starting_over_after_a_lost_sidecar_keeps_every_output(make_engine: EngineFactory, after_steps: int) -> None:
+    """What the frontend does when a sidecar is lost, in process: the steps in flight are void, every
+    sequence is recomputed from the tokens it has, both sidecars start empty; outputs (greedy and seeded
+    samples, n > 1) are as without the loss, and no token is delivered twice."""
+    params = [GREEDY, GenerationParams(max_tokens=20, temperature=0.8, seed=3, n=2, ignore_eos=True)]
+    reference, _ = run(make_engine()[0], PROMPTS, params[0])
+    sampled_reference, _ = run(make_engine()[0], PROMPTS[:2], params[1])
+    engine, manager = make_engine()
+    requests = [engine.add_request(f"r{i}", p, params[0]) for i, p in enumerate(PROMPTS)]
+    requests += [engine.add_request(f"s{i}", p, params[1]) for i, p in enumerate(PROMPTS[:2])]
+    delivered: dict[int, list[int]] = {}
+    for _ in range(after_steps):
+        for output in engine.step():
+            for o in output.outputs:
+                delivered.setdefault(o.seq_id, []).extend(o.new_token_ids)
+    engine.drain()  # the lost steps' tokens are never seen
+    engine.scheduler.restart()
+    manager.reset()
+    engine.executor.runner.last_sampled.clear()  # what the executor's Reset does
+    engine.scheduler.stats = manager.stats()
+    while engine.has_work:
+        for output in engine.step():
+            for o in output.outputs:
+                delivered.setdefault(o.seq_id, []).extend(o.new_token_ids)
+    assert outputs(requests[:len(PROMPTS)]) == outputs(reference)
+    assert outputs(requests[len(PROMPTS):]) == outputs(sampled_reference)
+    for request in requests:  # each token delivered once, in order
+        for seq in request.seqs:
+            assert delivered[seq.seq_id] == seq.output_token_ids
+    assert_no_leak(engine, manager)
