@@ -30,6 +30,7 @@ BENCHMARKS = {
     "offline": ("pagedserve.benchmarks.offline", "an offline batch vs HF generate() and, with --peer, vLLM (CPU)"),
     "overhead": ("pagedserve.benchmarks.overhead", "per-step cost of frontend and block manager (stand-in executor)"),
     "serve": ("pagedserve.benchmarks.serve", "the serving stack under a workload, vs HF transformers"),
+    "soak": ("pagedserve.benchmarks.soak", "the stack for N minutes under cancelling, disconnecting clients: leaks"),
 }
 
 
