@@ -12,6 +12,7 @@ from pagedserve.services.block_manager.manager import BlockManager
 from pagedserve.services.block_manager.step import Op, StepAnswer
 from pagedserve.services.executor.engine_config import build_runner
 from pagedserve.services.executor.options import ExecutorConfig
+from pagedserve.services.executor.runner import ModelRunner
 from pagedserve.services.frontend.engine import Engine, EngineLimits, ModelIdentity
 from pagedserve.services.frontend.ports import LocalBlockManager, LocalExecutor
 from pagedserve.services.frontend.scheduler import Scheduler, SchedulerConfig
@@ -33,6 +34,18 @@ def runners() -> dict[tuple[int, int], object]:
     return {}  # one model load per cache shape, for the whole session
 
 
+def fresh_runner(loaded: ModelRunner, num_cpu_blocks: int) -> ModelRunner:
+    """A runner of its own over the loaded model's weights, its KV caches filled with NaN: a read of a slot
+    this engine never wrote shows (it cannot read back what an earlier engine, say a reference run, left)."""
+    runner = ModelRunner(loaded.model, loaded.config, loaded.backend, loaded.block_size, loaded.num_blocks,
+                         num_cpu_blocks, loaded.max_model_len)
+    for caches in (runner.kv_caches, runner.cpu_caches):
+        for k, v in caches:
+            k.fill_(float("nan"))
+            v.fill_(float("nan"))
+    return runner
+
+
 @pytest.fixture(params=[True, False], ids=["overlap", "serial"])
 def overlap(request: pytest.FixtureRequest) -> bool:
     """Every engine test runs with overlapped steps (the default) and in lock step."""
@@ -44,13 +57,14 @@ def make_engine(tiny_llama_dir: Path, runners: dict[tuple[int, int], object], ov
     def make(num_blocks: int = 256, block_size: int = 4, cpu_blocks: int = 0, max_num_seqs: int = 16,
              max_num_batched_tokens: int = 64, preemption_mode: str = "recompute") -> tuple[Engine, BlockManager]:
         key = (num_blocks, block_size)
-        if key not in runners:  # one model load per cache shape; the swap pool is sized per runner below
+        if key not in runners:  # one model load per cache shape
             runners[key] = build_runner(ExecutorConfig(
-                model=str(tiny_llama_dir), num_blocks=num_blocks, block_size=block_size,
-                cpu_swap_bytes=1 << 30, device="cpu", dtype="float32",
+                model=str(tiny_llama_dir), num_blocks=num_blocks, block_size=block_size, device="cpu",
+                dtype="float32",
             ))
-        runner, info = runners[key]  # type: ignore[misc]
-        manager = BlockManager(num_blocks, block_size, num_cpu_blocks=min(cpu_blocks, info.num_cpu_blocks))
+        loaded, info = runners[key]  # type: ignore[misc]
+        runner = fresh_runner(loaded, cpu_blocks)
+        manager = BlockManager(num_blocks, block_size, num_cpu_blocks=cpu_blocks)
         scheduler = Scheduler(
             SchedulerConfig(block_size, info.max_model_len, max_num_seqs, max_num_batched_tokens,
                             preemption_mode),  # type: ignore[arg-type]
