@@ -69,11 +69,14 @@ def test_prefill_then_decode_match_hf_greedy(stub: pb_grpc.ExecutorStub, tiny_ll
         t = tokens(stub.Execute(step(seq_step(1, [got[-1]], position, table))))[0]
         got.append(t.token_id)
     assert got == expected
-    # copy-on-write applies before the forward pass: a fork copied into block 9 continues identically
-    request = step(seq_step(2, [got[-1]], 8, [7, 3, 9]), copies=[(3, 9)])
-    forked = tokens(stub.Execute(request))[0]
-    again = tokens(stub.Execute(step(seq_step(1, [got[-1]], 8, [7, 3, 11]))))[0]
-    assert forked.token_id == again.token_id
+    # copy-on-write applies before the forward pass: two more tokens half fill block 11; a fork whose
+    # table ends in a copy of it (block 9, never written) must read the copied slots and continue identically
+    for position in (8, 9):
+        got.append(tokens(stub.Execute(step(seq_step(1, [got[-1]], position, [7, 3, 11]))))[0].token_id)
+    forked = tokens(stub.Execute(step(seq_step(2, [got[-1]], 10, [7, 3, 9]), copies=[(11, 9)])))[0]
+    again = tokens(stub.Execute(step(seq_step(1, [got[-1]], 10, [7, 3, 11]))))[0]
+    assert forked.token_id == again.token_id and forked.logprob == pytest.approx(again.logprob, abs=1e-5)
+    assert forked.top_logprobs == pytest.approx(again.top_logprobs, abs=1e-5)
 
 
 def test_overlapped_steps_feed_the_tokens_they_sampled_forward(stub: pb_grpc.ExecutorStub) -> None:
