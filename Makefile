@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TYPEROOT := $(VENV)/typeroot
 PYTEST_ARGS ?=
 
-.PHONY: test serve install protos protos-check lint typecheck cluster unit bench clean
+.PHONY: test serve install protos protos-check lint typecheck cluster clean
 
 $(BIN)/python:
 	@$(PYTHON) -m venv $(VENV) 2>/dev/null || { \
@@ -46,10 +46,11 @@ cluster:
 	bash scripts/test-cluster.sh install
 
 # PYTHONSAFEPATH keeps the working directory off sys.path, so ./operator never shadows the stdlib.
-test: protos lint typecheck cluster
+# The generated protobuf code is committed: the tests check it is current (`make protos` regenerates it).
+test: protos-check lint typecheck cluster
 	PYTHONSAFEPATH=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-serve: protos
+serve: install
 	$(BIN)/pagedserve serve
 
 clean:

@@ -121,7 +121,9 @@ def step_cost_inprocess(num_seqs: int, steps: int, prompt_len: int, block_size: 
     return _percentiles(samples[20:])
 
 
-def step_cost_rpc(num_seqs: int, steps: int, prompt_len: int, block_size: int) -> tuple[float, float]:
+def step_cost_rpc(num_seqs: int, steps: int, prompt_len: int, block_size: int) -> tuple[tuple[float, float], ...]:
+    """The Decode step over gRPC (request build and parse included), and an empty Stats call alternated
+    with it: the floor of a unary call between two Python processes on this machine."""
     import grpc
 
     from ..protos import block_manager_pb2 as pb
@@ -139,7 +141,7 @@ def step_cost_rpc(num_seqs: int, steps: int, prompt_len: int, block_size: int) -
                                               num_tokens=prompt_len)))
         stub.Step(pb.StepRequest(ops=setup))
         seq_ids = list(range(num_seqs))
-        samples = []
+        samples, floor = [], []
         for step in range(steps + 20):
             start = time.perf_counter_ns()
             decode = pb.Decode(seq_ids=seq_ids, token_ids=[7 + step % 3] * num_seqs)
@@ -148,7 +150,10 @@ def step_cost_rpc(num_seqs: int, steps: int, prompt_len: int, block_size: int) -
             slots = list(response.results[0].slot_mapping)
             samples.append(time.perf_counter_ns() - start)
             assert len(slots) == num_seqs
-    return _percentiles(samples[20:])
+            start = time.perf_counter_ns()
+            stub.Stats(pb.StatsRequest())
+            floor.append(time.perf_counter_ns() - start)
+    return _percentiles(samples[20:]), _percentiles(floor[20:])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,9 +197,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "step_us_inprocess_p99": round(inproc[1], 1),
     }
     if not args.no_rpc:
-        rpc = step_cost_rpc(args.decode_seqs, args.steps, 128, args.block_size)
+        rpc, floor = step_cost_rpc(args.decode_seqs, args.steps, 128, args.block_size)
         result["step_rpc_us_p50"] = round(rpc[0], 1)
         result["step_rpc_us_p99"] = round(rpc[1], 1)
+        result["empty_rpc_us_p50"] = round(floor[0], 1)
     return result
 
 

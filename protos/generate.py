@@ -1,7 +1,7 @@
 """Generate the Python gRPC code for every .proto in this folder, or check that it is current.
 
-The generated files are committed; `make test` regenerates them and `--check` (run by the test suite)
-fails when what is committed differs from what the protos produce, so they cannot go stale.
+The generated files are committed; `make protos` regenerates them, and `--check` (run by `make test` and
+the test suite) fails when what is committed differs from what the protos produce, so they cannot go stale.
 The protos are compiled from a temporary tree `pagedserve/protos/*.proto`, so that generated imports
 read `from pagedserve.protos import x_pb2` and work inside the installed package.
 """

@@ -56,10 +56,12 @@ def add_executor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPE_NAMES, help="default: float32 on CPU, bfloat16 on GPU")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
-    parser.add_argument("--kv-cache-mib", type=int, default=512, help="CPU KV budget in MiB")
+    parser.add_argument("--kv-cache-mib", type=int, default=512,
+                        help="the KV budget in MiB on the CPU (on a GPU --gpu-memory-utilization decides)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU memory share to use")
     parser.add_argument("--num-blocks", type=int, help="exact number of KV blocks (overrides the budget)")
-    parser.add_argument("--cpu-swap-mib", type=int, default=0, help="CPU swap pool in MiB")
+    parser.add_argument("--cpu-swap-mib", type=int, default=0,
+                        help="CPU swap pool in MiB (preemption by swap needs one)")
     parser.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     # In a pod the executor shares the CPU with the frontend and block manager; an OpenMP team that
     # expects every core stalls at each barrier when one of its threads is descheduled (seen here: 10x).

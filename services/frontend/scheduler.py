@@ -68,6 +68,10 @@ class ScheduledStep:
     step_input: StepInput
 
 
+SWAP_WITHOUT_POOL = ("preemption by swap needs a CPU swap pool, and the cache has none: give it one"
+                     " (--cpu-swap-mib > 0) or preempt by recompute")
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManagerPort) -> None:
         self.config = config
@@ -78,6 +82,8 @@ class Scheduler:
         self.pending: list[Op] = []  # frees of finished or aborted sequences, sent with the next call
         self.requests: dict[str, Request] = {}
         self.stats: BlockStats = block_manager.stats()
+        if config.preemption_mode == "swap" and self.stats.num_cpu_blocks == 0:
+            raise ValueError(SWAP_WITHOUT_POOL)
         self.starved = False  # a running sequence got no block in the last step
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self._seq_ids = itertools.count(1)

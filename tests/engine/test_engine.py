@@ -215,3 +215,8 @@ def test_starting_over_after_a_lost_sidecar_keeps_every_output(make_engine: Engi
         for seq in request.seqs:
             assert delivered[seq.seq_id] == seq.output_token_ids
     assert_no_leak(engine, manager)
+
+
+def test_swap_without_a_swap_pool_is_refused(make_engine: EngineFactory) -> None:
+    with pytest.raises(ValueError, match="needs a CPU swap pool"):
+        make_engine(preemption_mode="swap", cpu_blocks=0)

@@ -1,12 +1,12 @@
 """A brute-force reference model of the KV block allocator, for the stateful test.
 
-Written from the specification (design.md "Block life cycle and cache identity", block_manager.proto and
-executor.proto, the docstrings of BlockManager and apply_step), not from the implementation. The model never
+Written from the specification (docs/block_manager.md "Block life cycle and cache identity", block_manager.proto
+and executor.proto, the docstrings of BlockManager and apply_step), not from the implementation. The model never
 hashes: a full block's identity is (namespace, every token up to the block's end), which is exactly what the
 chained key H(parent, tokens) stands for. Reference counts are recounted from the block tables each time. The
-manager chooses block ids; the model only checks that each choice is legal (the least recently useful free
-blocks, in LRU order) and then follows the returned deltas. Within one apply_step, from its first op that may copy
-or swap, blocks (device and CPU) freed are held back until the step ends (`hold_back`, `end_step`).
+manager chooses block ids; the model only checks that each choice is legal (the least recently useful free blocks,
+in LRU order) and then follows the returned deltas. Within one apply_step, from its first op that may copy or swap,
+blocks (device and CPU) freed are held back until the step ends (`hold_back`, `end_step`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a model name or path refers to, and a cheap digest of its weights for cache identity.
 
-The digest feeds the prefix cache's namespace (design.md): two checkpoints must never share KV blocks.
+The digest feeds the prefix cache's namespace (docs/block_manager.md): two checkpoints must never share KV blocks.
 Hashing whole files would take seconds per GB at every start, so it covers each weight file's size and
 its first and last MiB, which is where GGUF metadata and safetensors headers live and where any
 re-quantization or re-export shows.
