@@ -2,8 +2,9 @@
 the cost of one decode step against its own matmuls.
 
 For batch sizes 1, 8 and 32, the same prompts (a fixed set of short texts) and the same number of new
-tokens (EOS ignored) run through `pagedserve.LLM` (paged KV cache, continuous batching, CPU torch path)
-and through HF `generate()` on the same weights (greedy, one left-padded static batch). Tokens/s is
+tokens (EOS ignored) run through `pagedserve.LLM` (paged KV cache, continuous batching; the torch path on
+the CPU, the Triton kernels with `--device cuda`) and through HF `generate()` on the same weights (greedy,
+one left-padded static batch). Tokens/s is
 generated tokens over the wall time of the whole call, prefill included, measured side by side in one
 process with the same torch thread count, alternating the two sides `--repeats` times (medians reported).
 
@@ -59,8 +60,9 @@ def bench_ours(llm: Any, prompts: list[list[int]], new_tokens: int) -> float:
 def bench_hf(model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int) -> float:
     width = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    device = next(model.parameters()).device
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
@@ -74,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.add_argument("--out", type=Path, help="also write the JSON object to this file")
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (the Triton kernels)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per side; medians are reported")
@@ -93,13 +97,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     batches = [int(b) for b in args.batches.split(",")]
     # in process: the decode-step timing below runs the LLM's own model on a runner of its own
-    llm = LLM(args.model, device="cpu", dtype="float32", max_num_seqs=max(batches), max_num_batched_tokens=2048,
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(batches), max_num_batched_tokens=2048,
               executor="thread")
     source = resolve_model(args.model)
     hf_kwargs: dict[str, Any] = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
     folder = source.path.parent if source.kind == "gguf" else source.path
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **hf_kwargs).eval()
-    result: dict[str, Any] = {"model": args.model, "new_tokens": args.new_tokens, "device": "cpu",
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype), **hf_kwargs)
+    hf = hf.to(args.device).eval()
+    result: dict[str, Any] = {"model": args.model, "new_tokens": args.new_tokens, "device": args.device,
+                              "dtype": args.dtype,
                               "torch_threads": torch.get_num_threads(), "repeats": args.repeats}
     warm = _prompts(llm.tokenizer, 2)
     bench_ours(llm, warm, 4)
@@ -247,6 +253,8 @@ def _step_matmuls(model: Any, num_tokens: int) -> Any:
     def run() -> None:
         for weight, bias in weights:
             F.linear(inputs[weight.shape[1]], weight, bias)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # timed as the step is: until the device is done
 
     return run
 
