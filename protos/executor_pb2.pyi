@@ -68,6 +68,7 @@ class ExecuteRequest(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     NUM_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    RELEASED_SEQ_IDS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Overlapped steps are numbered 1, 2, ... by the frontend, which sends step N+1 before step N has
     answered; a step that uses last-sampled tokens runs only after step_id - 1 (0: unnumbered).
@@ -141,6 +142,12 @@ class ExecuteRequest(_message.Message):
     def num_top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """also return this many most likely tokens (<= 20)"""
 
+    @_builtins.property
+    def released_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Sequences the block manager freed since the last step. A layout that keeps each sequence's KV in a
+        region of its own (virtual) releases their memory before the step; the paged layout ignores them.
+        """
+
     def __init__(
         self,
         *,
@@ -162,10 +169,11 @@ class ExecuteRequest(_message.Message):
         seed: _abc.Iterable[_builtins.int] | None = ...,
         num_top_logprobs: _abc.Iterable[_builtins.int] | None = ...,
         epoch: _builtins.int = ...,
+        released_seq_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table_lens", b"block_table_lens", "block_tables", b"block_tables", "copies", b"copies", "epoch", b"epoch", "num_tokens", b"num_tokens", "num_top_logprobs", b"num_top_logprobs", "sample", b"sample", "seed", b"seed", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "start_positions", b"start_positions", "step_id", b"step_id", "swap_in", b"swap_in", "swap_out", b"swap_out", "temperature", b"temperature", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table_lens", b"block_table_lens", "block_tables", b"block_tables", "copies", b"copies", "epoch", b"epoch", "num_tokens", b"num_tokens", "num_top_logprobs", b"num_top_logprobs", "released_seq_ids", b"released_seq_ids", "sample", b"sample", "seed", b"seed", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "start_positions", b"start_positions", "step_id", b"step_id", "swap_in", b"swap_in", "swap_out", b"swap_out", "temperature", b"temperature", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -271,6 +279,7 @@ class InfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     KERNEL_BACKEND_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    KV_LAYOUT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """the name it was started with"""
     model_digest: _builtins.str
@@ -287,6 +296,8 @@ class InfoResponse(_message.Message):
     """"triton" or "torch" """
     epoch: _builtins.int
     """of the last Reset (0: none since it started)"""
+    kv_layout: _builtins.str
+    """"paged", "virtual" or "static": only paged shares KV between sequences"""
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -304,10 +315,11 @@ class InfoResponse(_message.Message):
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         kernel_backend: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        kv_layout: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "epoch", b"epoch", "kernel_backend", b"kernel_backend", "max_model_len", b"max_model_len", "model", b"model", "model_digest", b"model_digest", "num_blocks", b"num_blocks", "num_cpu_blocks", b"num_cpu_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "epoch", b"epoch", "kernel_backend", b"kernel_backend", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model", b"model", "model_digest", b"model_digest", "num_blocks", b"num_blocks", "num_cpu_blocks", b"num_cpu_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

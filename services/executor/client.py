@@ -33,6 +33,7 @@ def step_to_proto(step: StepInput, epoch: int = 0) -> pb.ExecuteRequest:
         seed=[p.seed for p in sampled],
         num_top_logprobs=[p.num_top_logprobs for p in sampled],
         epoch=epoch,
+        released_seq_ids=step.released_seq_ids,
     )
 
 
@@ -83,4 +84,5 @@ class RemoteExecutor:
 
 def _info(i: pb.InfoResponse) -> ExecutorInfo:
     return ExecutorInfo(i.model, i.model_digest, i.dtype, i.device, i.vocab_size, i.max_model_len, i.block_size,
-                        i.num_blocks, i.num_cpu_blocks, tuple(i.eos_token_ids), i.kernel_backend, i.epoch)
+                        i.num_blocks, i.num_cpu_blocks, tuple(i.eos_token_ids), i.kernel_backend, i.epoch,
+                        i.kv_layout or "paged")

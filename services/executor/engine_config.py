@@ -2,7 +2,9 @@
 
 The KV budget: on a GPU, a fraction of the device memory minus the weights and the activation peak of a
 profiling step at the largest batch; on the CPU, an explicit byte budget. The resulting block count is
-reported (Info), and the block manager is started to agree with it.
+reported (Info), and the block manager is started to agree with it. The same budget holds for every KV
+layout: paged blocks, virtual pages (a block is the pages it commits), or static max_model_len slots (a block
+is one slot).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .model.loader import load_model
 from .model.registry import resolve_model
-from .options import DTYPE_NAMES, ExecutorConfig, MiB
+from .options import DTYPE_NAMES, KV_LAYOUTS, ExecutorConfig, MiB
 from .runner import ModelRunner, kv_bytes_per_block
 from .step_types import GREEDY, ExecutorInfo, SequenceInput, StepInput
+from .virtual_kv import SequenceKV, StaticKV, VirtualKV, os_page_size, tokens_per_page, transparent_hugepages
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,7 +39,9 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:
     model, model_config = load_model(source, dtype, device, backend)
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                         model_config.max_position_embeddings)
-    per_block = kv_bytes_per_block(model_config, config.block_size, dtype)
+    page_size = kv_page_size(device) if config.kv_layout == "virtual" else 0
+    block_size = check_kv_layout(config, model_config, dtype, max_model_len, page_size)
+    per_block = kv_bytes_per_block(model_config, block_size, dtype)
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     elif device.type == "cuda":
@@ -44,24 +49,76 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:
     else:
         num_blocks = config.kv_cache_bytes // per_block
     num_cpu_blocks = config.cpu_swap_bytes // per_block
-    runner = ModelRunner(model, model_config, backend, config.block_size, num_blocks, num_cpu_blocks, max_model_len)
+    sequence_kv = build_sequence_kv(config.kv_layout, model_config, dtype, device, block_size, num_blocks,
+                                    max_model_len, page_size)
+    runner = ModelRunner(model, model_config, backend, block_size, num_blocks, num_cpu_blocks, max_model_len,
+                         sequence_kv)
     warm_up(runner)
-    log.info("%s on %s (%s): %d KV blocks of %d tokens (%.1f MiB), %d CPU swap blocks",
-             source.name, device, dtype, num_blocks, config.block_size, num_blocks * per_block / MiB, num_cpu_blocks)
+    log.info("%s on %s (%s), %s KV layout: %d blocks of %d tokens (%.1f MiB), %d CPU swap blocks", source.name,
+             device, dtype, config.kv_layout, num_blocks, block_size, num_blocks * per_block / MiB, num_cpu_blocks)
+    if config.kv_layout == "virtual" and device.type == "cpu":
+        log.info("virtual KV: %d-byte pages, transparent huge pages %s", page_size, transparent_hugepages())
     info = ExecutorInfo(
         model=source.name, model_digest=source.digest, dtype=str(dtype).removeprefix("torch."), device=str(device),
-        vocab_size=model_config.vocab_size, max_model_len=max_model_len, block_size=config.block_size,
+        vocab_size=model_config.vocab_size, max_model_len=max_model_len, block_size=block_size,
         num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, eos_token_ids=tuple(model_config.eos_token_ids),
-        kernel_backend=backend.name,
+        kernel_backend=backend.name, kv_layout=config.kv_layout,
     )
     return runner, info
 
 
+def kv_page_size(device: torch.device) -> int:
+    """The virtual layout's commit unit: the OS page on the CPU, the CUDA VMM granularity on a GPU."""
+    if device.type == "cuda":
+        from .cuda_vmm import allocation_granularity
+
+        return allocation_granularity(device)
+    return os_page_size()
+
+
+def check_kv_layout(
+    config: ExecutorConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int, page_size: int
+) -> int:
+    """The block size the layout uses; ValueError naming the fix when the configuration cannot work."""
+    if config.kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: {config.kv_layout!r} is not one of {', '.join(KV_LAYOUTS)}")
+    if config.kv_layout == "paged":
+        return config.block_size
+    if config.cpu_swap_bytes:
+        raise ValueError(f"the {config.kv_layout} KV layout has no CPU swap pool: drop --cpu-swap-mib")
+    if config.kv_layout == "static":
+        return max_model_len  # one block is one sequence's whole slot
+    token_bytes = model_config.num_kv_heads * model_config.head_dim * torch.empty((), dtype=dtype).element_size()
+    unit = tokens_per_page(token_bytes, page_size)
+    if config.block_size % unit:
+        raise ValueError(
+            f"block_size: the virtual layout's block is the pages it commits; {config.block_size} tokens of"
+            f" {token_bytes} bytes per layer are not whole {page_size}-byte pages: use a multiple of {unit}"
+        )
+    return config.block_size
+
+
+def build_sequence_kv(
+    kv_layout: str, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int,
+    num_blocks: int, max_model_len: int, page_size: int,
+) -> SequenceKV | None:
+    """None for the paged layout; else where each sequence's contiguous K/V lives."""
+    if kv_layout == "paged":
+        return None
+    capacity = -(-max_model_len // block_size) * block_size  # whole pages per slab
+    shape = (model_config.num_layers, 2, capacity, model_config.num_kv_heads, model_config.head_dim)
+    if kv_layout == "static":
+        return StaticKV(num_blocks, shape, dtype, device)
+    return VirtualKV(shape, dtype, device, page_size)
+
+
 def warm_up(runner: ModelRunner) -> None:
     """One tiny prefill through the whole path (kernels compile, allocators settle). It writes into block 0,
-    which holds nothing yet: every slot is written before it is read."""
+    which holds nothing yet: every slot is written before it is read. A per-sequence layout gives its
+    region back after."""
     n = min(runner.block_size, 8)
     runner.execute(StepInput([SequenceInput(0, [0] * n, 0, [0], list(range(n)), GREEDY)]))
+    runner.reset()
 
 
 def _gpu_num_blocks(

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 MiB = 1 << 20
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
+# paged: blocks anywhere in one pool, shared between sequences (the default); virtual: one contiguous region
+# per sequence, reserved at max_model_len, memory committed page by page as it grows (docs/layouts.md);
+# static: one max_model_len slot per sequence, committed up front (the baseline paging replaced)
+KV_LAYOUTS = ("paged", "virtual", "static")
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,7 @@ class ExecutorConfig:
     max_model_len: int | None = None  # default: the model's
     max_num_batched_tokens: int = 2048  # the largest step, profiled on a GPU
     num_threads: int = 0  # torch's CPU threads; 0: torch's default (all physical cores)
+    kv_layout: str = "paged"  # one of KV_LAYOUTS
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> ExecutorConfig:
@@ -34,7 +39,7 @@ class ExecutorConfig:
             model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_mib * MiB, gpu_memory_utilization=args.gpu_memory_utilization,
             num_blocks=args.num_blocks, cpu_swap_bytes=args.cpu_swap_mib * MiB, max_model_len=args.max_model_len,
-            num_threads=args.threads,
+            num_threads=args.threads, kv_layout=args.kv_layout,
         )
 
     def to_argv(self) -> list[str]:
@@ -43,7 +48,8 @@ class ExecutorConfig:
             raise ValueError("an executor process takes its KV and swap budgets in whole MiB")
         argv = ["--model", self.model, "--block-size", str(self.block_size),
                 "--kv-cache-mib", str(self.kv_cache_bytes // MiB), "--cpu-swap-mib", str(self.cpu_swap_bytes // MiB),
-                "--gpu-memory-utilization", str(self.gpu_memory_utilization), "--threads", str(self.num_threads)]
+                "--gpu-memory-utilization", str(self.gpu_memory_utilization), "--threads", str(self.num_threads),
+                "--kv-layout", self.kv_layout]
         for flag, value in (("--dtype", self.dtype), ("--device", self.device), ("--num-blocks", self.num_blocks),
                             ("--max-model-len", self.max_model_len)):
             if value is not None:
@@ -63,6 +69,10 @@ def add_executor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-swap-mib", type=int, default=0,
                         help="CPU swap pool in MiB (preemption by swap needs one)")
     parser.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="paged",
+                        help="paged blocks (shared prefixes, copy-on-write); virtual: a contiguous region per"
+                             " sequence, memory committed page by page (block size = tokens per page, no"
+                             " sharing, no swap); static: a max-model-len slot per sequence (docs/layouts.md)")
     # In a pod the executor shares the CPU with the frontend and block manager; an OpenMP team that
     # expects every core stalls at each barrier when one of its threads is descheduled (seen here: 10x).
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),

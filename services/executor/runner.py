@@ -3,6 +3,9 @@
 A step applies swap-outs, then swap-ins, then copy-on-write copies, then the forward pass, then
 sampling. That order is the block manager's contract: a block freed by a swap-out may be handed to
 another sequence in the same step, so its contents must leave before anything writes into it.
+
+With a per-sequence layout (`virtual`, `static`: virtual_kv.py) there are no blocks to move: the step first
+releases the sequences the block manager freed, and attention is dense over each sequence's region.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ import torch
 
 from ...kernels import KernelBackend, swap_blocks
 from ..common.errors import InvalidRequest
-from .attention import AttentionMetadata, build_attention_metadata
+from .attention import build_attention_metadata
+from .dense_attention import DenseLayer, build_dense_metadata
 from .model.config import ModelConfig
-from .model.llama import LlamaForCausalLM
+from .model.llama import KVCache, LlamaForCausalLM, Metadata
 from .sampling import sample
 from .step_types import LAST_SAMPLED, MAX_TOP_LOGPROBS, LastSampled, SampledToken, SequenceInput, StepInput
+from .virtual_kv import SequenceKV
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -37,20 +42,28 @@ class ModelRunner:
         num_blocks: int,
         num_cpu_blocks: int,
         max_model_len: int,
+        sequence_kv: SequenceKV | None = None,
     ) -> None:
+        """`sequence_kv`: a per-sequence layout (engine_config.build_sequence_kv) instead of the paged pool."""
         if num_blocks <= 0:
             raise ValueError(f"the KV budget holds {num_blocks} blocks of {block_size} tokens: too small")
+        if sequence_kv is not None and num_cpu_blocks:
+            raise ValueError("a per-sequence KV layout has no CPU swap pool: preempt by recompute")
         param = next(model.parameters())
         self.model, self.config, self.backend = model, config, backend
         self.device, self.dtype = param.device, param.dtype
         self.block_size, self.num_blocks, self.num_cpu_blocks = block_size, num_blocks, num_cpu_blocks
         self.max_model_len = max_model_len
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.sequence_kv = sequence_kv
+        shape = (num_blocks if sequence_kv is None else 0, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(config.num_layers)
         ]
+        self._layer_caches: list[KVCache] = (
+            list(self.kv_caches) if sequence_kv is None else [DenseLayer(i) for i in range(config.num_layers)]
+        )
         cpu_shape = (num_cpu_blocks, *shape[1:])
         pin = self.device.type == "cuda"
         self.cpu_caches = [
@@ -63,6 +76,12 @@ class ModelRunner:
         # The torch path plans the decodes' cache reads once per step (block_size, num_kv_heads, num_heads).
         self._gather_geometry = (block_size, config.num_kv_heads, config.num_heads) if backend.name == "torch" else None
         self._logits = torch.empty(0, config.vocab_size, device=self.device)
+
+    def reset(self) -> None:
+        """Forgets every step and sequence (the frontend starts over; its block manager is empty too)."""
+        self.last_sampled.clear()
+        if self.sequence_kv is not None:
+            self.sequence_kv.reset()
 
     def validate(self, step: StepInput) -> None:
         """Raises InvalidRequest naming the field; nothing has changed when it does."""
@@ -104,6 +123,11 @@ class ModelRunner:
                     raise InvalidRequest(f"{at}.sampling: temperature >= 0, 0 <= top_p <= 1, top_k >= 0 required")
                 if s.num_top_logprobs > MAX_TOP_LOGPROBS:
                     raise InvalidRequest(f"{at}.sampling.num_top_logprobs: at most {MAX_TOP_LOGPROBS}")
+        if self.sequence_kv is not None:
+            moves = next((name for name in ("swap_out", "swap_in", "copies") if getattr(step, name)), None)
+            if moves is not None:
+                raise InvalidRequest(f"{moves}: a per-sequence KV layout shares no blocks and has no swap pool")
+            self.sequence_kv.check(step.sequences, step.released_seq_ids)
         for name, pairs, src_limit, dst_limit in (
             ("swap_out", step.swap_out, self.num_blocks, self.num_cpu_blocks),
             ("swap_in", step.swap_in, self.num_cpu_blocks, self.num_blocks),
@@ -117,12 +141,14 @@ class ModelRunner:
     def execute(self, step: StepInput) -> list[SampledToken]:
         self.validate(step)
         last_sampled = self.last_sampled.start(step.step_id)
+        if self.sequence_kv is not None:
+            self.sequence_kv.release(step.released_seq_ids)
         self._move_blocks(step)
         if not step.sequences:
             return []
         seqs = _prefills_first(step.sequences)
         input_ids, positions, meta = self._build_batch(seqs, last_sampled)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [num_tokens, hidden]
+        hidden = self.model(input_ids, positions, meta, self._layer_caches)  # [num_tokens, hidden]
         wanted = [i for i, s in enumerate(seqs) if s.sampling is not None]
         if not wanted:
             return []
@@ -143,7 +169,7 @@ class ModelRunner:
 
     def _build_batch(
         self, seqs: Sequence[SequenceInput], last_sampled: dict[int, int]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    ) -> tuple[torch.Tensor, torch.Tensor, Metadata]:
         """The flat token batch of `seqs` (prefill chunks first): input ids and positions [num_tokens] int64,
         and the attention metadata, each tensor made from one Python list."""
         input_ids: list[int] = []
@@ -160,6 +186,12 @@ class ModelRunner:
                 input_ids.extend(seq.token_ids)
                 positions.extend(range(start, start + num_tokens))
                 slots.extend(seq.slot_mapping)
+        ids_and_positions = torch.tensor([input_ids, positions], device=self.device)  # [2, num_tokens] int64
+        if self.sequence_kv is not None:
+            regions = [self.sequence_kv.region_for(s) for s in seqs]
+            dense = build_dense_metadata(regions, [s.start_position for s in seqs], [len(s.token_ids) for s in seqs],
+                                         self.device)
+            return ids_and_positions[0], ids_and_positions[1], dense
         meta = build_attention_metadata(
             [len(s.token_ids) for s in seqs],
             [s.start_position + len(s.token_ids) for s in seqs],
@@ -168,7 +200,6 @@ class ModelRunner:
             self.device,
             gather_geometry=self._gather_geometry,
         )
-        ids_and_positions = torch.tensor([input_ids, positions], device=self.device)  # [2, num_tokens] int64
         return ids_and_positions[0], ids_and_positions[1], meta
 
     def _logits_buffer(self, num_rows: int) -> torch.Tensor | None:

@@ -59,6 +59,7 @@ def step_from_proto(r: pb.ExecuteRequest) -> StepInput:
         swap_in=[(c.src, c.dst) for c in r.swap_in],
         copies=[(c.src, c.dst) for c in r.copies],
         step_id=r.step_id,
+        released_seq_ids=list(r.released_seq_ids),
     )
 
 
@@ -127,7 +128,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             raise NotReady("the model is still loading")
         self.epoch = request.epoch
         # the step thread runs in order: once this has run, every step queued before has run or been skipped
-        await asyncio.get_running_loop().run_in_executor(self.thread, runner.last_sampled.clear)
+        await asyncio.get_running_loop().run_in_executor(self.thread, runner.reset)
         self.last_queued = 0
         return await self.Info(pb.InfoRequest(), context)
 

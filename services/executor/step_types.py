@@ -56,6 +56,9 @@ class StepInput:
     swap_in: Sequence[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     copies: Sequence[tuple[int, int]] = field(default_factory=list)  # (device src, device dst)
     step_id: int = 0  # overlapped steps: 1, 2, ...; LAST_SAMPLED refers to step_id - 1 (0: unnumbered)
+    # sequences the block manager freed since the last step: a layout that keeps KV per sequence (virtual)
+    # releases their memory before this step runs; the paged layout ignores them (its blocks say it all)
+    released_seq_ids: Sequence[int] = ()
 
 
 class LastSampled:
@@ -103,3 +106,4 @@ class ExecutorInfo:
     eos_token_ids: tuple[int, ...]
     kernel_backend: str
     epoch: int = 0  # of the frontend's last Reset (a remote executor's)
+    kv_layout: str = "paged"  # "paged", "virtual" or "static" (options.KV_LAYOUTS); only paged shares KV

@@ -28,7 +28,7 @@ from ..executor.step_types import ExecutorInfo
 from .engine import Engine, EngineLimits, ModelIdentity
 from .ports import ExecutorPort, LocalBlockManager, LocalExecutor
 from .request import FinishReason, GenerationParams, Request
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig, shares_kv
 
 Prompt = str | Sequence[int]
 
@@ -68,12 +68,14 @@ class LLM:
         overlap: bool = True,
         executor: Literal["process", "thread"] = "process",
         threads: int = 0,
+        kv_layout: Literal["paged", "virtual", "static"] = "paged",
     ) -> None:
-        """`threads`: the model's torch CPU threads (0: torch's default, all physical cores)."""
+        """`threads`: the model's torch CPU threads (0: torch's default, all physical cores). `kv_layout`: paged
+        blocks, or a region per sequence (virtual; static) that shares nothing (docs/layouts.md)."""
         config = ExecutorConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, kv_cache_bytes=kv_cache_mib << 20,
             num_blocks=num_blocks, cpu_swap_bytes=cpu_swap_mib << 20, max_model_len=max_model_len,
-            num_threads=threads,
+            num_threads=threads, kv_layout=kv_layout,
         )
         self.executor_process: ServiceProcess | None = None
         self._close: Callable[[], object] = lambda: None
@@ -83,7 +85,8 @@ class LLM:
         self.info = info
         self.block_manager = BlockManager(info.num_blocks, info.block_size, info.num_cpu_blocks)
         scheduler = Scheduler(
-            SchedulerConfig(info.block_size, info.max_model_len, max_num_seqs, max_num_batched_tokens, preemption_mode),
+            SchedulerConfig(info.block_size, info.max_model_len, max_num_seqs, max_num_batched_tokens, preemption_mode,
+                            shares_kv(info.kv_layout)),
             LocalBlockManager(self.block_manager),
         )
         eos = frozenset(info.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})

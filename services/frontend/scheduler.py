@@ -13,6 +13,12 @@ Each step, within a token budget and a cap on running sequences:
 A request with n > 1 prefills its prompt but the last token once, then forks n sequences that share those
 blocks; each computes the last prompt token itself and samples with its own seed, so they diverge.
 
+A KV layout that keeps each sequence's KV apart (virtual, static: `share_kv=False`) can share nothing: each
+admission gets a namespace of its own (no prefix hits), and the n samples of a request are n independent
+sequences that each prefill the prompt. Each step tells the executor which sequences were freed since the
+last one (`released_seq_ids`), so such a layout gives their memory back (when the engine goes idle, at its
+next step).
+
 Overlapped steps (the engine's default): step N+1 is planned while step N runs, so a sequence's newest
 token may still be being sampled (`num_pending`). Its decode then asks the executor for LAST_SAMPLED and
 the block manager for a slot whose token it learns in the next Decode. `num_computed` counts the tokens of
@@ -54,6 +60,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     preemption_mode: Literal["recompute", "swap"] = "recompute"
+    share_kv: bool = True  # prefix hits and forks; False for a per-sequence KV layout (ExecutorInfo.kv_layout)
 
 
 class Work(NamedTuple):  # one per scheduled sequence and step
@@ -72,6 +79,11 @@ SWAP_WITHOUT_POOL = ("preemption by swap needs a CPU swap pool, and the cache ha
                      " (--cpu-swap-mib > 0) or preempt by recompute")
 
 
+def shares_kv(kv_layout: str) -> bool:
+    """Whether sequences may share KV blocks under the executor's layout (only paged blocks can)."""
+    return kv_layout == "paged"
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManagerPort) -> None:
         self.config = config
@@ -86,14 +98,16 @@ class Scheduler:
             raise ValueError(SWAP_WITHOUT_POOL)
         self.starved = False  # a running sequence got no block in the last step
         self.num_preemptions = {"recompute": 0, "swap": 0}
+        self.released: list[int] = []  # sequences freed in the block manager, not yet told to the executor
         self._seq_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
+        self._admissions = itertools.count(1)  # private namespaces when nothing is shared
 
     # ---- requests ------------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
         # a one-token prompt has no prefix worth sharing: its n samples start as n independent sequences
-        count = request.params.n if len(request.prompt_token_ids) < 2 else 1
+        count = request.params.n if len(request.prompt_token_ids) < 2 or not self.config.share_kv else 1
         for index in range(count):
             seq = SequenceState(next(self._seq_ids), request, index, list(request.prompt_token_ids))
             request.seqs.append(seq)
@@ -117,6 +131,7 @@ class Scheduler:
         seen, so nothing streamed repeats, and seeded draws depend only on (seed, position)."""
         resumed = [*self.running, *self.swapped]  # running in admission order, then swapped: keep that order
         self.running, self.swapped, self.pending, self.starved = [], deque(), [], False
+        self.released = []  # the executor is reset too
         for seq in reversed(resumed):
             self._requeue_for_recompute(seq)
         for seq in self.waiting:
@@ -126,6 +141,7 @@ class Scheduler:
         """Sends pending frees now (a cancelled request must not hold blocks until the next step)."""
         if self.pending:
             ops, self.pending = self.pending, []
+            self.released += [op.seq_id for op in ops if isinstance(op, FreeOp)]
             self.stats = self.block_manager.step(ops).stats
 
     @property
@@ -175,11 +191,12 @@ class Scheduler:
                     break
                 # the block manager learns only the tokens up to the target, so that a prefix hit can never
                 # make it reserve (and the executor compute) a token meant for after a fork
-                admit = AdmitOp(seq.seq_id, seq.token_ids[:target], seq.request.cache_namespace, chunk)
+                admit = AdmitOp(seq.seq_id, seq.token_ids[:target], self._namespace(seq), chunk)
                 routes.append((admit, [seq]))
                 room, budget, free_estimate = room - 1, budget - chunk, free_estimate - blocks
         if not routes:
             return None
+        self.released += [op.seq_id for op, _ in routes if isinstance(op, FreeOp)]
         answer = self.block_manager.step([op for op, _ in routes])
         self.stats = answer.stats
         return self._apply_answer(routes, answer.outcomes)
@@ -251,7 +268,7 @@ class Scheduler:
                     self.pending.append(FreeOp(seq.seq_id))
                     self._requeue_for_recompute(seq)
         if not work and not (swap_out or swap_in or copies):
-            return None
+            return None  # the releases wait for the next step: an extra one would break LAST_SAMPLED's numbering
         items = list(work.values())
         sequences = []
         for seq, num_tokens, slot_mapping in items:
@@ -263,8 +280,20 @@ class Scheduler:
             ))
             seq.num_computed = start + num_tokens  # from here on, as far as planning goes, it is computed
             seq.num_pending += sample
-        step = StepInput(sequences, swap_out=swap_out, swap_in=swap_in, copies=copies, step_id=next(self._step_ids))
+        step = StepInput(sequences, swap_out=swap_out, swap_in=swap_in, copies=copies, step_id=next(self._step_ids),
+                         released_seq_ids=self._take_released())
         return ScheduledStep(items, step)
+
+    def _take_released(self) -> list[int]:
+        released, self.released = self.released, []
+        return released
+
+    def _namespace(self, seq: SequenceState) -> bytes:
+        """The request's cache namespace; when nothing may be shared, one of this admission's own, so that no
+        block (not even its own from before a preemption) is ever a prefix hit."""
+        if self.config.share_kv:
+            return seq.request.cache_namespace
+        return seq.request.cache_namespace + b"/unshared/%d" % next(self._admissions)
 
     # ---- results -------------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from .exporter import start_exporter
 from .metrics import ServingMetrics
 from .public_options import PublicSettings, add_public_arguments, load_public_settings, positive_int
 from .recovery import CacheMismatch, Sidecars
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig, shares_kv
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def connect(args: argparse.Namespace, max_n: int, on_availability: Callable[[boo
     tokenizer = load_tokenizer(source)
     scheduler = Scheduler(
         SchedulerConfig(info.block_size, info.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
-                        args.preemption_mode),
+                        args.preemption_mode, shares_kv(info.kv_layout)),
         block_manager,
     )
     eos = frozenset(info.eos_token_ids) | ({tokenizer.eos_token_id} - {None})

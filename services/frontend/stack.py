@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _executor_args(args: argparse.Namespace) -> list[str]:
     out = ["executor", "--model", args.model, "--block-size", str(args.block_size),
            "--kv-cache-mib", str(args.kv_cache_mib), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--cpu-swap-mib", str(args.cpu_swap_mib)]
+           "--cpu-swap-mib", str(args.cpu_swap_mib), "--kv-layout", args.kv_layout]
     for flag in ("dtype", "device", "num_blocks", "max_model_len", "threads"):
         if getattr(args, flag) is not None:
             out += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]

@@ -2,7 +2,8 @@
 
 Tokens of all sequences are concatenated, with no padding and no batch dimension, as in vLLM: prefill
 chunks first, then one token per decoding sequence, in the order `AttentionMetadata` describes. Every
-attention layer goes through `paged_attention`, so a prefix already in the cache is never recomputed.
+attention layer goes through `paged_attention`, so a prefix already in the cache is never recomputed; with
+a per-sequence KV layout (virtual, static) a layer gets a `DenseLayer` instead and attends densely.
 Q/K/V and gate/up are each one Linear (fused by the loaders), so a layer runs four matmuls, not seven.
 Norms and residual sums follow transformers' order, so fp32 results match it to rounding.
 """
@@ -15,10 +16,13 @@ from torch import nn
 
 from ....kernels import KernelBackend
 from ..attention import AttentionMetadata, paged_attention
+from ..dense_attention import DenseAttentionMetadata, DenseLayer, dense_attention
 from .config import ModelConfig
 from .rope import RopeTables, RotaryEmbedding, apply_rope
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+# paged: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; per-sequence layouts: the layer index
+KVCache = tuple[torch.Tensor, torch.Tensor] | DenseLayer
+Metadata = AttentionMetadata | DenseAttentionMetadata
 
 
 class RMSNorm(nn.Module):
@@ -53,7 +57,7 @@ class Attention(nn.Module):
         self,
         rope: RopeTables,
         x: torch.Tensor,  # [num_tokens, hidden]
-        meta: AttentionMetadata,
+        meta: Metadata,
         kv_cache: KVCache,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = x.shape[0]
@@ -61,8 +65,13 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [num_tokens, heads, head_dim] each
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.backend, self.scale)
+        if isinstance(kv_cache, DenseLayer):
+            assert isinstance(meta, DenseAttentionMetadata), "a dense layer was given paged metadata"
+            out = dense_attention(q, k, v, meta, kv_cache.layer, self.scale)
+        else:
+            assert isinstance(meta, AttentionMetadata), "a paged layer was given dense metadata"
+            k_cache, v_cache = kv_cache
+            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.backend, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -87,7 +96,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, rope: RopeTables, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+        self, rope: RopeTables, x: torch.Tensor, meta: Metadata, kv_cache: KVCache
     ) -> torch.Tensor:  # [num_tokens, hidden]
         # The residual stream is the model's own tensor (the embedding's output, then this sum): added in place.
         x = x.add_(self.self_attn(rope, self.input_layernorm(x), meta, kv_cache))
@@ -113,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
-        meta: AttentionMetadata,
+        meta: Metadata,
         kv_caches: list[KVCache],  # one per layer
     ) -> torch.Tensor:  # [num_tokens, hidden], after the final norm
         assert len(kv_caches) == len(self.layers), f"{len(kv_caches)} KV caches for {len(self.layers)} layers"
