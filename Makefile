@@ -51,7 +51,7 @@ test: protos-check lint typecheck cluster
 	PYTHONSAFEPATH=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 serve: install
-	$(BIN)/pagedserve serve
+	$(BIN)/pagedserve serve --http-port 8000
 
 clean:
 	rm -rf $(VENV) build *.egg-info

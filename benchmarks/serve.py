@@ -13,6 +13,9 @@ Starts `pagedserve serve` as a child process on a free loopback port (or targets
    output is done; only each request's own output counts as useful).
 
 Prompts are cut from a fixed English passage (tokenized by the pod) at a distinct offset per request.
+
+With `--openai-url`, the same main and shared-prefix passes run against any OpenAI-compatible server
+(serve_openai.py): no stack is started, and nothing that needs pagedserve's gRPC Status or HF runs.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -67,6 +70,7 @@ class Outcome:
     sent: float
     first: float = 0.0
     last: float = 0.0
+    end: float = 0.0  # the stream's end (after the usage)
     num_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -76,8 +80,18 @@ class Outcome:
         return (self.first - self.sent) * 1000
 
     @property
+    def e2e_ms(self) -> float:
+        return (self.end - self.sent) * 1000
+
+    @property
     def tpot_ms(self) -> float:
         return (self.last - self.first) * 1000 / (self.num_tokens - 1) if self.num_tokens > 1 else 0.0
+
+
+class Generates(Protocol):
+    """A client of the workload: Client (gRPC) or serve_openai.OpenAIClient (HTTP)."""
+
+    def generate(self, ids: list[int], max_tokens: int, api_key: str, n: int = 1, seed: int = 0) -> Outcome: ...
 
 
 class Client:
@@ -99,6 +113,7 @@ class Client:
             if chunk.HasField("usage"):
                 outcome.prompt_tokens = chunk.usage.prompt_tokens
                 outcome.cached_tokens = chunk.usage.cached_prompt_tokens
+        outcome.end = time.monotonic()
         if outcome.num_tokens != max_tokens * n:
             raise RuntimeError(f"asked for {max_tokens * n} tokens, got {outcome.num_tokens}")
         return outcome
@@ -179,7 +194,7 @@ def pct(values: list[float], q: int) -> float:
 # ---- the passes -------------------------------------------------------------------------------------
 
 
-def main_pass(client: Client, args: argparse.Namespace, prompts: list[list[int]],
+def main_pass(client: Generates, args: argparse.Namespace, prompts: list[list[int]],
               specs: list[RequestSpec]) -> tuple[dict[str, Any], list[Outcome]]:
     jobs = [(s.arrival_s, partial(client.generate, prompts[i], s.output_len, f"main-{i}"))
             for i, s in enumerate(specs)]
@@ -188,12 +203,14 @@ def main_pass(client: Client, args: argparse.Namespace, prompts: list[list[int]]
     duration = max(o.last for o in outcomes) - start
     tokens = sum(o.num_tokens for o in outcomes)
     ttft, tpot = [o.ttft_ms for o in outcomes], [o.tpot_ms for o in outcomes if o.num_tokens > 1]
+    e2e = [o.e2e_ms for o in outcomes]
     good = sum(1 for o in outcomes if o.ttft_ms <= args.ttft_slo_ms and o.tpot_ms <= args.tpot_slo_ms)
     last_arrival = specs[-1].arrival_s
     return {
         "throughput_tok_s": round(tokens / duration, 2),
         "ttft_ms_p50": round(pct(ttft, 50), 1), "ttft_ms_p99": round(pct(ttft, 99), 1),
         "tpot_ms_p50": round(pct(tpot, 50), 1), "tpot_ms_p99": round(pct(tpot, 99), 1),
+        "e2e_ms_p50": round(pct(e2e, 50), 1), "e2e_ms_p99": round(pct(e2e, 99), 1),
         "goodput_rps": round(good / duration, 4),
         "slo_attainment": round(good / len(outcomes), 3),
         "offered_rps": round(len(specs) / last_arrival, 3) if last_arrival > 0 else None,  # None: all at t=0
@@ -201,7 +218,7 @@ def main_pass(client: Client, args: argparse.Namespace, prompts: list[list[int]]
     }, outcomes
 
 
-def shared_prefix_pass(client: Client, args: argparse.Namespace, passage: list[int]) -> dict[str, Any]:
+def shared_prefix_pass(client: Generates, args: argparse.Namespace, passage: list[int]) -> dict[str, Any]:
     """One tenant; the first half of every prompt is the same passage, the second half its own."""
     half, stride = args.prefix_prompt_len // 2, len(passage) // args.prefix_prompts
     common = cut(passage, len(passage) // 2 + 3, half)
@@ -334,6 +351,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="also write the JSON object to this file")
     parser.add_argument("--plot", type=Path, help="write TTFT/TPOT histograms and block usage to this PNG")
     parser.add_argument("--address", help="a running pod (HOST:PORT) instead of starting one; --model must match")
+    parser.add_argument("--openai-url", metavar="URL",
+                        help="an OpenAI-compatible server (http://HOST:PORT[/v1]) instead of a pod: the main and "
+                             "shared-prefix passes over streamed /v1/completions; --model gives the prompts' tokenizer")
+    parser.add_argument("--openai-model", help="the model name to send with --openai-url (default: its first)")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="with --openai-url: the bearer key of every request (default: $OPENAI_API_KEY; without "
+                             "one each request sends a label of its own, a tenant of its own on a keyless pagedserve)")
     parser.add_argument("--model", default="smollm2-135m", help="registered name, HF directory or .gguf file")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-requests", type=int, default=32)
@@ -369,14 +393,18 @@ class PodRun:
     spans: dict[str, tuple[float, float]]  # pass -> (start, end), monotonic
 
 
+def workload(args: argparse.Namespace, passage: list[int]) -> tuple[list[RequestSpec], list[list[int]]]:
+    specs = sharegpt_like(args.num_requests, args.seed, max_total=2048, scale=args.scale,
+                          request_rate=args.request_rate, burstiness=args.burstiness)
+    # distinct starting offsets (and an API key each): no two main-pass requests share a cached block
+    return specs, [cut(passage, 131 * i + args.seed, s.prompt_len) for i, s in enumerate(specs)]
+
+
 def run_pod_passes(address: str, args: argparse.Namespace) -> PodRun:
     client, monitor = Client(address), BlockMonitor(address, 0.1)
     passage = list(client.stub.Tokenize(pb.TokenizeRequest(text=PASSAGE), timeout=60).token_ids)
     block_size = client.stub.ListModels(pb.ListModelsRequest(), timeout=60).models[0].block_size
-    specs = sharegpt_like(args.num_requests, args.seed, max_total=2048, scale=args.scale,
-                          request_rate=args.request_rate, burstiness=args.burstiness)
-    # distinct starting offsets (and an API key each): no two main-pass requests share a cached block
-    prompts = [cut(passage, 131 * i + args.seed, s.prompt_len) for i, s in enumerate(specs)]
+    specs, prompts = workload(args, passage)
     spans: dict[str, tuple[float, float]] = {}
     monitor.start()
     try:
@@ -402,6 +430,10 @@ def run_pod_passes(address: str, args: argparse.Namespace) -> PodRun:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.openai_url:
+        from .serve_openai import run_openai  # it builds on this module's passes
+
+        return run_openai(args)
     wall_start, load_start = time.monotonic(), round(os.getloadavg()[0], 2)
     if args.address is not None:
         pod = run_pod_passes(args.address, args)

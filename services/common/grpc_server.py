@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import grpc
 import grpc.aio
@@ -202,11 +202,24 @@ class GrpcService:
         await self.server.stop(grace)
 
 
+class Listener(Protocol):
+    """What serve_until_signalled starts and stops: a GrpcService, or an HttpService (http_server.py)."""
+
+    listen: str
+
+    async def start(self) -> None: ...
+
+    async def mark_serving(self) -> None: ...
+
+    async def stop(self, grace: float = 5.0) -> None: ...
+
+
 async def serve_until_signalled(
-    service: GrpcService, warm_up: Callable[[], Awaitable[None]] | None = None, also: Sequence[GrpcService] = ()
+    service: GrpcService, warm_up: Callable[[], Awaitable[None]] | None = None, also: Sequence[Listener] = ()
 ) -> None:
     """Starts, warms up, reports SERVING, and stops gracefully on SIGTERM or SIGINT. `also`: more servers of
-    the same process (another listener with other settings), started and stopped with the first."""
+    the same process (another listener with other settings, the HTTP API), started before the warm-up and
+    stopped with the first."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass
 
 from ..block_manager.prefix_hash import cache_namespace
-from ..common.errors import InvalidRequest, OutOfCapacity
+from ..common.errors import ExceedsCapacity, InvalidRequest
 from .ports import ExecutorPort, RunningStep
 from .request import GenerationParams, Request, StepOutput
 from .scheduler import ScheduledStep, Scheduler
@@ -92,7 +92,7 @@ class Engine:
         # the prompt's blocks are shared by the n samples; each sample's own tail and output are not
         blocks = len(prompt_token_ids) // bs + params.n * (-(-(len(prompt_token_ids) % bs + params.max_tokens) // bs))
         if blocks > limits.num_blocks:
-            raise OutOfCapacity(
+            raise ExceedsCapacity(
                 f"the request needs up to {blocks} KV blocks of {bs} tokens; the cache holds {limits.num_blocks}"
             )
 

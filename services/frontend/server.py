@@ -3,7 +3,8 @@
 At start it checks that the two agree on the KV cache (block size and count, CPU pool), and that the
 tokenizer it loads belongs to the weights the executor serves; a mismatch is a clear startup error. After
 that, a lost sidecar is waited for (recovery.py): health is NOT_SERVING until both answer again. So
-is a bad TLS or keys file (public_options.py), before anything is started.
+is a bad TLS or keys file (public_options.py), before anything is started. With `--http-listen` the same
+process serves the OpenAI-compatible HTTP API (http_api.py) over the same engine, on the same event loop.
 """
 
 from __future__ import annotations
@@ -17,17 +18,20 @@ from ...protos import inference_pb2 as pb
 from ...protos import inference_pb2_grpc as pb_grpc
 from ..block_manager.client import RemoteBlockManager
 from ..common.addresses import is_local_address
-from ..common.grpc_server import GrpcService, run, serve_until_signalled
+from ..common.grpc_server import GrpcService, Listener, run, serve_until_signalled
+from ..common.http_server import HttpService, HttpTls, parse_listen
 from ..common.processes import wait_serving
 from ..common.tls import TlsConfigError
 from ..executor.client import RemoteExecutor
 from ..executor.model.registry import resolve_model
 from ..executor.model.tokenizer import load_tokenizer
-from .api import Backend, InferenceServicer
+from .api import InferenceServicer
 from .auth import ApiKeyInterceptor, KeysFileError
 from .engine import Engine, EngineLimits, ModelIdentity
 from .engine_loop import EngineLoop
 from .exporter import start_exporter
+from .generation import Backend, Serving
+from .http_api import build_app
 from .metrics import ServingMetrics
 from .public_options import PublicSettings, add_public_arguments, load_public_settings, positive_int
 from .recovery import CacheMismatch, Sidecars
@@ -60,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=positive_int, default=256,
                         help="queue bound: past it new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--metrics-listen", default="", help="HOST:PORT to serve Prometheus /metrics on (off if empty)")
+    parser.add_argument("--http-listen", default="", metavar="HOST:PORT",
+                        help="also serve the OpenAI-compatible HTTP API here (off if empty); TLS and keys as gRPC's")
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                         help="plan and send step N+1 while the executor runs step N (--no-overlap: in lock step)")
@@ -105,15 +111,22 @@ def connect(args: argparse.Namespace, max_n: int, on_availability: Callable[[boo
 async def serve(args: argparse.Namespace, settings: PublicSettings) -> None:
     if settings.keys is not None:
         log.info("API keys of %d tenants: every call needs one", len(settings.keys.tenants))
-    elif not is_local_address(args.listen):
-        log.warning("no --api-keys-file: every caller that reaches %s is trusted", args.listen)
+    else:
+        for listen in filter(None, (args.listen, args.http_listen)):
+            if not is_local_address(listen):
+                log.warning("no --api-keys-file: every caller that reaches %s is trusted", listen)
     interceptors = [ApiKeyInterceptor(settings.keys)] if settings.keys is not None else []
     service = GrpcService(args.listen, [SERVICE_NAME], interceptors, settings.credentials, settings.max_message_bytes)
     # the supervisor's socket: plain, without the interceptor (the servicer still wants a key to generate)
     local = [GrpcService(args.local_listen, [SERVICE_NAME])] if args.local_listen else []
-    servicer = InferenceServicer(settings.keys, settings.limits)
+    serving = Serving(settings.keys, settings.limits)  # one engine, one cache salt secret, one stream count
+    servicer = InferenceServicer(serving=serving)
     for each in (service, *local):
         pb_grpc.add_InferenceServicer_to_server(servicer, each.server)
+    http: list[Listener] = []
+    if args.http_listen:  # answers 503 until the warm-up attaches the engine
+        tls = HttpTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+        http.append(HttpService(build_app(serving, settings.max_message_bytes), args.http_listen, tls))
 
     event_loop = asyncio.get_running_loop()
 
@@ -123,25 +136,30 @@ async def serve(args: argparse.Namespace, settings: PublicSettings) -> None:
             asyncio.run_coroutine_threadsafe(mark(), event_loop)
 
     async def warm_up() -> None:
-        servicer.attach(await asyncio.to_thread(connect, args, settings.limits.max_n, on_availability))
+        serving.attach(await asyncio.to_thread(connect, args, settings.limits.max_n, on_availability))
 
     exporter = None
     if args.metrics_listen:
-        exporter, _ = start_exporter(args.metrics_listen, lambda: servicer.backend.loop if servicer.ready else None)
+        exporter, _ = start_exporter(args.metrics_listen, lambda: serving.backend.loop if serving.ready else None)
         log.info("metrics on http://%s/metrics", args.metrics_listen)
     try:
-        await serve_until_signalled(service, warm_up=warm_up, also=local)
+        await serve_until_signalled(service, warm_up=warm_up, also=[*local, *http])
     finally:
         if exporter is not None:
             exporter.shutdown()
-        if servicer.ready:
-            servicer.backend.loop.stop()
+        if serving.ready:
+            serving.backend.loop.stop()
 
 
 def main(args: argparse.Namespace) -> None:
     if args.local_listen and not args.local_listen.startswith("unix:"):
         raise SystemExit(f"frontend: --local-listen {args.local_listen}: must be unix:PATH (it asks no client "
                          "certificate; the socket's file permissions guard it)")
+    if args.http_listen:
+        try:
+            parse_listen(args.http_listen)
+        except ValueError as exc:
+            raise SystemExit(f"frontend: --http-listen {exc}") from None
     try:
         settings = load_public_settings(args)
     except (TlsConfigError, KeysFileError) as exc:

@@ -2,11 +2,12 @@
 
 The executor starts first (it sizes the KV cache), the block manager is started with the executor's
 numbers, then the frontend. All three talk over unix sockets in a private run directory; only the
-frontend listens on a TCP port (with TLS and API keys when given). The supervisor itself waits for and
-watches the frontend through a plain socket in the run directory, so it needs neither a client
-certificate nor a key. Ctrl-C or SIGTERM stops all three. A component that dies is reported with its last
-output and started again (the frontend waits for a lost sidecar and resumes its requests; a restarted
-frontend loses only its own in-flight requests), unless it keeps dying: then all three stop.
+frontend listens on TCP ports: gRPC, and with `--http-port` the OpenAI-compatible HTTP API (both with TLS
+and API keys when given). The supervisor itself waits for and watches the frontend through a plain socket
+in the run directory, so it needs neither a client certificate nor a key. Ctrl-C or SIGTERM stops all
+three. A component that dies is reported with its last output and started again (the frontend waits for a
+lost sidecar and resumes its requests; a restarted frontend loses only its own in-flight requests), unless
+it keeps dying: then all three stop.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="queue bound: past it new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
+    parser.add_argument("--http-port", type=int, default=0,
+                        help="also serve the OpenAI-compatible HTTP API on this port of --host (0: off)")
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                         help="plan and send step N+1 while the executor runs step N (--no-overlap: in lock step)")
@@ -103,9 +106,13 @@ class Stack:
             frontend_args.append("--no-overlap")
         if args.metrics_port:
             frontend_args += ["--metrics-listen", f"{args.host}:{args.metrics_port}"]
+        if args.http_port:
+            frontend_args += ["--http-listen", f"{args.host}:{args.http_port}"]
         frontend_args += ["--local-listen", self.frontend_local, *public_flags(args)]
         self._start("frontend", frontend_args, f"{args.host}:{args.port}", serving_at=self.frontend_local)
-        return (f"pagedserve: serving {info.model} on {args.host}:{args.port} ({info.device}, {info.dtype}; "
+        scheme = "https" if args.tls_cert else "http"
+        http = f", OpenAI-compatible HTTP API on {scheme}://{args.host}:{args.http_port}/v1" if args.http_port else ""
+        return (f"pagedserve: serving {info.model} on {args.host}:{args.port}{http} ({info.device}, {info.dtype}; "
                 f"{info.num_blocks} KV blocks of {info.block_size} tokens, {info.num_cpu_blocks} CPU swap blocks)")
 
     def _start(self, name: str, argv: list[str], listen: str, timeout: float = 300.0, serving_at: str = "") -> None:

@@ -6,9 +6,14 @@ One pod serves the whole module: `pagedserve serve` with mutual TLS, two tenants
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +21,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from polling import free_port
 from stack_testing import Pod
 from tls_testing import Certs, make_certs
 
@@ -45,10 +51,13 @@ def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def pod(tiny_chat_model_dir: Path, certs: Certs, keys_file: Path) -> Iterator[Pod]:
-    pod = Pod(tiny_chat_model_dir, "--num-blocks", "256", "--tls-cert", str(certs.server_cert), "--tls-key",
-              str(certs.server_key), "--tls-client-ca", str(certs.ca), "--api-keys-file", str(keys_file),
+    http_port = free_port()
+    pod = Pod(tiny_chat_model_dir, "--num-blocks", "256", "--http-port", str(http_port), "--tls-cert",
+              str(certs.server_cert), "--tls-key", str(certs.server_key), "--tls-client-ca", str(certs.ca),
+              "--api-keys-file", str(keys_file),
               "--max-prompt-tokens", "200", "--max-new-tokens", "400", "--max-n", "2", "--max-streams-per-tenant", "1",
               "--max-message-bytes", str(MAX_MESSAGE_BYTES), credentials=certs.client(), metadata=A)
+    pod.https = f"https://127.0.0.1:{http_port}"  # type: ignore[attr-defined]
     yield pod
     output = pod.stop()
     assert pod.proc.returncode == 0, output
@@ -94,6 +103,28 @@ def test_mutual_tls_round_trip_and_clients_without_a_trusted_certificate_are_ref
             health = health_pb2_grpc.HealthStub(refused)
             assert code_of(lambda h=health: h.Check(health_pb2.HealthCheckRequest(), timeout=10)) == \
                 grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_http_api_speaks_mutual_tls_with_the_same_certificates_and_keys(pod: Pod, certs: Certs) -> None:
+    def get(context: ssl.SSLContext, key: str = KEY_A) -> Any:
+        request = urllib.request.Request(f"{pod.https}/v1/models", headers={"authorization": f"Bearer {key}"})  # type: ignore[attr-defined]
+        return urllib.request.urlopen(request, context=context, timeout=30)
+
+    trusted = ssl.create_default_context(cafile=certs.ca)
+    trusted.load_cert_chain(certs.client_cert, certs.client_key)
+    with get(trusted) as response:
+        assert response.status == 200 and json.loads(response.read())["data"]
+    with pytest.raises(urllib.error.HTTPError) as info:
+        get(trusted, "not-a-key-0123456789")
+    assert info.value.code == 401
+    without_cert = ssl.create_default_context(cafile=certs.ca)
+    stranger = ssl.create_default_context(cafile=certs.ca)
+    stranger.load_cert_chain(certs.stranger_cert, certs.stranger_key)
+    for refused in (without_cert, stranger):
+        with pytest.raises((OSError, http.client.HTTPException)):  # the handshake, or the first read, fails
+            get(refused).read()
+    with pytest.raises((OSError, http.client.HTTPException)):  # no plain HTTP beside HTTPS
+        urllib.request.urlopen(f"{pod.https.replace('https', 'http', 1)}/health", timeout=30).read()  # type: ignore[attr-defined]
 
 
 # ---- API keys -------------------------------------------------------------------------------------------
