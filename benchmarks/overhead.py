@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-ms", default="10,2", help="comma-separated stand-in step times")
     parser.add_argument("--tokens", type=int, default=160, help="new tokens per request")
     parser.add_argument("--modes", default="overlap,serial", help="overlap, serial or both")
+    parser.add_argument("--device", default="", help="run the real executor on this device (cuda) instead of the"
+                        " stand-in; --step-ms is then ignored and the keys end in _real")
 
 
 def _start_stand_in(args: list[str]) -> tuple[subprocess.Popen[str], str]:
@@ -61,14 +63,14 @@ def _start_stand_in(args: list[str]) -> tuple[subprocess.Popen[str], str]:
     raise RuntimeError(f"the executor stand-in exited with {proc.wait()}")
 
 
-def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: bool) -> dict[str, Any]:
+def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: bool, device: str = "") -> dict[str, Any]:
     """One run: the three processes, num_seqs requests at once, the stand-in's timeline read back."""
     num_blocks = num_seqs * (-(-(tokens + 32) // 16)) + 64
     with tempfile.TemporaryDirectory() as tmp:
         timeline_file = Path(tmp) / "timeline.json"
         stand_in, executor_address = _start_stand_in([
             "--model", model, "--num-blocks", str(num_blocks), "--step-ms", str(step_ms),
-            "--timeline", str(timeline_file)])
+            "--timeline", str(timeline_file), *(["--device", device] if device else [])])
         services: list[ServiceProcess] = []
         try:
             services.append(start_service(["block-manager", "--geometry-from", executor_address]))
@@ -137,16 +139,18 @@ def _cpu_seconds(pid: int) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
-        "executor": "a stand-in that holds each step for a fixed time (no model runs): it stands in for the"
+        "executor": f"the real executor on {args.device}, each step timed" if args.device else
+                    "a stand-in that holds each step for a fixed time (no model runs): it stands in for the"
                     " accelerator; the frontend and block manager are the real processes over gRPC",
         "tokens_per_request": args.tokens,
     }
     texts = set()
+    step_times = [0.0] if args.device else [float(s) for s in args.step_ms.split(",")]
     for num_seqs in (int(s) for s in args.seqs.split(",")):
-        for step_ms in (float(s) for s in args.step_ms.split(",")):
+        for step_ms in step_times:
             for mode in args.modes.split(","):
-                run_ = measure(args.model, num_seqs, step_ms, args.tokens, overlap=mode == "overlap")
-                name = f"{num_seqs}_{step_ms:g}ms"
+                run_ = measure(args.model, num_seqs, step_ms, args.tokens, mode == "overlap", args.device)
+                name = f"{num_seqs}_real" if args.device else f"{num_seqs}_{step_ms:g}ms"
                 prefix = "" if mode == "overlap" else "serial_"
                 result[f"{prefix}overhead_frac_{name}"] = run_["overhead_frac"]
                 result[f"{prefix}gap_ms_{name}"] = run_["gap_ms_mean"]
@@ -154,7 +158,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result[f"{prefix}frontend_cpu_ms_per_step_{name}"] = run_["frontend_cpu_ms_per_step"]
                 result[f"{prefix}block_manager_cpu_ms_per_step_{name}"] = run_["block_manager_cpu_ms_per_step"]
                 texts.update(run_["texts"])
-    # the stand-in's token depends only on its position: every request of every run must read the same
+    # the stand-in's token depends only on its position, a real model's greedy one on the (one) prompt: every
+    # request of every run must read the same
     result["one_text_for_all_runs"] = len(texts) == 1
     return result
 

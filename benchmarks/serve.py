@@ -266,14 +266,16 @@ def hf_pass(args: argparse.Namespace, prompts: list[list[int]], specs: list[Requ
     source = resolve_model(args.model)
     kwargs: dict[str, Any] = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
     folder = source.path.parent if source.kind == "gguf" else source.path
+    device = getattr(args, "device", "cpu")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the executor's default on each
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).to(device).eval()
     load_s = time.perf_counter() - start
 
     def generate(batch: list[list[int]], new_tokens: int) -> None:
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[HF_PAD_ID] * (width - len(p)) + p for p in batch])  # [batch, width], left-padded
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[HF_PAD_ID] * (width - len(p)) + p for p in batch], device=device)  # left-padded
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=HF_PAD_ID)
@@ -301,7 +303,7 @@ def start_stack(args: argparse.Namespace, log: Any) -> ServiceProcess:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
     cmd = [sys.executable, "-m", "pagedserve", "serve", "--model", args.model, "--port", str(port), "--device",
-           "cpu", "--status-interval", "5",
+           getattr(args, "device", "cpu"), "--status-interval", "5",
            "--max-streams-per-tenant", "1000000"]  # one client sends the whole load: not what is measured
     for flag in ("kv_cache_mib", "max_num_seqs", "max_num_batched_tokens", "preemption_mode", "block_size",
                  "threads", "ttft_slo_ms", "tpot_slo_ms"):
@@ -381,6 +383,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--max-num-batched-tokens", type=int)
     stack.add_argument("--preemption-mode", choices=["recompute", "swap"])
     stack.add_argument("--threads", type=int, help="the executor's torch threads (default: serve's)")
+    stack.add_argument("--device", default="cpu", help="the executor's device (cuda: the Triton kernels in bf16)")
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """An executor stand-in for `bench overhead`: the real executor gRPC service, but each step is held for a
-fixed time instead of running a model, standing in for an accelerator that is busy for that long.
+fixed time instead of running a model, standing in for an accelerator that is busy for that long. With
+`--device`, the real model runs instead (on a GPU: the overhead against real steps), timed the same way.
 
 It speaks the Executor protocol through the real servicer (request parsing, step ordering, answers), keeps
 the tokens it "sampled" for LAST_SAMPLED inputs as the real runner does, and records when each step began
@@ -13,15 +14,18 @@ for a position depends only on the position, so every mode and run produces the 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from ..protos import executor_pb2 as pb
 from ..protos import executor_pb2_grpc as pb_grpc
 from ..services.common.grpc_server import GrpcService, run, serve_until_signalled
 from ..services.executor.model.registry import resolve_model
 from ..services.executor.model.tokenizer import load_tokenizer
+from ..services.executor.options import ExecutorConfig
 from ..services.executor.server import SERVICE_NAME, ExecutorServicer
 from ..services.executor.step_types import LAST_SAMPLED, LastSampled, SampledToken, StepInput
 
@@ -33,6 +37,10 @@ class StandInRunner:
         self.step_s, self.vocab_size = step_s, vocab_size
         self.last_sampled = LastSampled()
         self.timeline: list[tuple[float, float, int]] = []
+
+    def reset(self) -> None:
+        """The executor's Reset: no step may ask for what an earlier one sampled."""
+        self.last_sampled.clear()
 
     def execute(self, step: StepInput) -> list[SampledToken]:
         start = time.perf_counter()
@@ -51,21 +59,48 @@ class StandInRunner:
         return tokens
 
 
+class TimedRunner:
+    """The real runner, each step's (start, end, sequences) recorded as the stand-in's are."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner, self.last_sampled, self.reset = runner, runner.last_sampled, runner.reset
+        self.timeline: list[tuple[float, float, int]] = []
+
+    def execute(self, step: StepInput) -> list[SampledToken]:
+        start = time.perf_counter()
+        tokens = self.runner.execute(step)  # returns host values: the device has finished the step
+        self.timeline.append((start, time.perf_counter(), len(step.sequences)))
+        return tokens
+
+
 class StandInServicer(ExecutorServicer):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         super().__init__(None)  # type: ignore[arg-type]  # no model to configure
 
     async def load(self) -> None:
+        if self.args.device:
+            await self._load_real()
+            return
         source = resolve_model(self.args.model)
         vocab_size = len(load_tokenizer(source))
         self.stand_in = StandInRunner(self.args.step_ms / 1000, vocab_size)
-        self.runner = self.stand_in  # type: ignore[assignment]  # the servicer calls only execute() and last_sampled
+        self.runner = self.stand_in  # type: ignore[assignment]  # the servicer calls only execute() and reset()
         self.info = pb.InfoResponse(
             model=self.args.model, model_digest=source.digest, dtype="float32", device="stand-in (a fixed hold)",
             vocab_size=vocab_size, max_model_len=self.args.max_model_len, block_size=self.args.block_size,
             num_blocks=self.args.num_blocks, num_cpu_blocks=0, kernel_backend="stand-in",
         )
+
+    async def _load_real(self) -> None:
+        from ..services.executor.engine_config import build_runner
+
+        config = ExecutorConfig(model=self.args.model, device=self.args.device, block_size=self.args.block_size,
+                                num_blocks=self.args.num_blocks, max_model_len=self.args.max_model_len)
+        runner, info = await asyncio.get_running_loop().run_in_executor(self.thread, build_runner, config)
+        self.stand_in = TimedRunner(runner)  # type: ignore[assignment]
+        self.runner = self.stand_in  # type: ignore[assignment]
+        self.info = pb.InfoResponse(**{**vars(info), "eos_token_ids": list(info.eos_token_ids)})
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -86,7 +121,8 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, required=True)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--step-ms", type=float, required=True, help="how long each step holds the 'accelerator'")
+    parser.add_argument("--step-ms", type=float, default=0.0, help="how long each step holds the 'accelerator'")
+    parser.add_argument("--device", default="", help="run the real model on this device instead (cuda, cpu)")
     parser.add_argument("--timeline", required=True, help="where to write [start, end, sequences] per step at exit")
     args = parser.parse_args()
     run(serve(args), "executor-stand-in")
