@@ -273,6 +273,9 @@ class Usage(_message.Message):
     QUEUE_MS_FIELD_NUMBER: _builtins.int
     TTFT_MS_FIELD_NUMBER: _builtins.int
     E2E_MS_FIELD_NUMBER: _builtins.int
+    TPOT_MS_FIELD_NUMBER: _builtins.int
+    ITL_MS_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
     """over all samples"""
@@ -281,6 +284,14 @@ class Usage(_message.Message):
     queue_ms: _builtins.float
     ttft_ms: _builtins.float
     e2e_ms: _builtins.float
+    tpot_ms: _builtins.float
+    """time per output token after the first, of sample 0"""
+    seed: _builtins.int
+    """the seed the samples drew with (the one given, or the engine's pick)"""
+    @_builtins.property
+    def itl_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """the gaps between sample 0's tokens, in order"""
+
     def __init__(
         self,
         *,
@@ -291,10 +302,13 @@ class Usage(_message.Message):
         queue_ms: _builtins.float = ...,
         ttft_ms: _builtins.float = ...,
         e2e_ms: _builtins.float = ...,
+        tpot_ms: _builtins.float = ...,
+        itl_ms: _abc.Iterable[_builtins.float] | None = ...,
+        seed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "e2e_ms", b"e2e_ms", "num_preemptions", b"num_preemptions", "prompt_tokens", b"prompt_tokens", "queue_ms", b"queue_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "e2e_ms", b"e2e_ms", "itl_ms", b"itl_ms", "num_preemptions", b"num_preemptions", "prompt_tokens", b"prompt_tokens", "queue_ms", b"queue_ms", "seed", b"seed", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

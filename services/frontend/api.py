@@ -168,7 +168,8 @@ def _response(request_id: str, chunk: Chunk) -> pb.GenerateResponse:
 def _usage(usage: Usage) -> pb.Usage:
     return pb.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                     cached_prompt_tokens=usage.cached_prompt_tokens, num_preemptions=usage.num_preemptions,
-                    queue_ms=usage.queue_ms, ttft_ms=usage.ttft_ms, e2e_ms=usage.e2e_ms)
+                    queue_ms=usage.queue_ms, ttft_ms=usage.ttft_ms, e2e_ms=usage.e2e_ms, tpot_ms=usage.tpot_ms,
+                    itl_ms=usage.itl_ms, seed=usage.seed)
 
 
 def generation_params(

@@ -64,6 +64,9 @@ class Usage:
     queue_ms: float = 0.0
     ttft_ms: float = 0.0
     e2e_ms: float = 0.0
+    tpot_ms: float = 0.0  # sample 0's time per output token after its first
+    itl_ms: tuple[float, ...] = ()  # sample 0's inter-token gaps
+    seed: int = 0  # what the samples drew with: the request's, or the one the engine picked
 
 
 @dataclass
@@ -238,4 +241,4 @@ def _usage(request: Request | None, prompt: list[int], samples: list[_Sample]) -
         return Usage(len(prompt), completion_tokens)
     lat = latency(request.metrics, completion_tokens)
     return Usage(len(prompt), completion_tokens, request.num_cached_tokens, request.num_preemptions, lat.queue_ms,
-                 lat.ttft_ms, lat.e2e_ms)
+                 lat.ttft_ms, lat.e2e_ms, lat.tpot_ms, lat.itl_ms, request.seed)

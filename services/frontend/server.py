@@ -35,7 +35,7 @@ from .http_api import build_app
 from .metrics import ServingMetrics
 from .public_options import PublicSettings, add_public_arguments, load_public_settings, positive_int
 from .recovery import CacheMismatch, Sidecars
-from .scheduler import Scheduler, SchedulerConfig, shares_kv
+from .scheduler import SWAP_WITHOUT_POOL, Scheduler, SchedulerConfig, shares_kv
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 log = logging.getLogger(__name__)
@@ -92,6 +92,8 @@ def connect(args: argparse.Namespace, max_n: int, on_availability: Callable[[boo
         raise StartupError(f"--model {args.model} ({source.digest}) is not what the executor serves "
                            f"({info.model}, {info.model_digest})")
     tokenizer = load_tokenizer(source)
+    if args.preemption_mode == "swap" and info.num_cpu_blocks == 0:
+        raise StartupError(SWAP_WITHOUT_POOL)
     scheduler = Scheduler(
         SchedulerConfig(info.block_size, info.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
                         args.preemption_mode, shares_kv(info.kv_layout)),

@@ -31,6 +31,7 @@ from ..executor.client import RemoteExecutor
 from ..executor.options import add_executor_arguments
 from .auth import KeysFileError
 from .public_options import add_public_arguments, load_public_settings, public_flags
+from .scheduler import SWAP_WITHOUT_POOL
 
 FRONTEND_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "preemption_mode", "ttft_slo_ms",
                   "tpot_slo_ms", "step_timeout", "recovery_timeout")
@@ -152,6 +153,8 @@ def main(args: argparse.Namespace) -> None:
         load_public_settings(args)
     except (TlsConfigError, KeysFileError) as exc:
         raise SystemExit(f"pagedserve: {exc}") from None
+    if args.preemption_mode == "swap" and args.cpu_swap_mib == 0:
+        raise SystemExit(f"pagedserve: {SWAP_WITHOUT_POOL}")
     stack = Stack(args.max_restarts)
 
     def request_stop(signum: int, frame: Any) -> None:

@@ -50,6 +50,9 @@ def test_streaming_text_equals_the_decoded_tokens(pod: Pod, tiny_chat_model_dir:
     usage = chunks[-1].usage
     assert usage.prompt_tokens == len(tokenizer.encode(PROMPTS[0])) and usage.completion_tokens == 24
     assert 0 < usage.ttft_ms <= usage.e2e_ms
+    # the gaps between the 24 tokens, and their mean as the time per output token
+    assert len(usage.itl_ms) == 23 and all(gap >= 0 for gap in usage.itl_ms)
+    assert usage.tpot_ms == pytest.approx(sum(usage.itl_ms) / 23, rel=1e-6)
     complete = pod.stub.Complete(pb.GenerateRequest(text=PROMPTS[0], params=pb.GenerationParameters(
         max_tokens=24, ignore_eos=True)))
     assert complete.choices[0].text == texts[0] and list(complete.choices[0].token_ids) == token_ids
@@ -79,6 +82,11 @@ def test_parallel_samples_and_seeds(pod: Pod) -> None:
     assert other_seed != texts
     _, single = pod.generate(PROMPTS[1], max_tokens=12, temperature=1.0, seed=7 + 2, ignore_eos=True)
     assert single[0] == texts[2]  # sample i draws with seed + i
+    # without a seed the engine picks one and reports it: sending it back draws the same samples
+    picked, drawn = pod.generate(PROMPTS[1], **{**params, "seed": None})
+    assert picked[-1].usage.seed != 0
+    _, redrawn = pod.generate(PROMPTS[1], **{**params, "seed": picked[-1].usage.seed})
+    assert redrawn == drawn
     pod.wait_idle()
 
 
@@ -189,6 +197,13 @@ def test_preemption_under_a_tiny_budget_keeps_greedy_output(tiny_chat_model_dir:
         assert preemptions > 0
     finally:
         assert small.stop() is not None and small.proc.returncode == 0
+
+
+def test_serve_refuses_swap_without_a_swap_pool_before_loading_anything() -> None:
+    run = subprocess.run([sys.executable, "-m", "pagedserve", "serve", "--preemption-mode", "swap"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert run.returncode == 1 and "needs a CPU swap pool" in run.stderr and "--cpu-swap-mib" in run.stderr
+    assert "starting" not in run.stderr
 
 
 def test_a_frontend_refuses_a_limit_below_one() -> None:
