@@ -266,10 +266,10 @@ def hf_pass(args: argparse.Namespace, prompts: list[list[int]], specs: list[Requ
     source = resolve_model(args.model)
     kwargs: dict[str, Any] = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
     folder = source.path.parent if source.kind == "gguf" else source.path
-    device = getattr(args, "device", "cpu")
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the executor's default on each
+    device = torch.device(getattr(args, "device", "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the executor's default on each
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device, **kwargs).eval()
     load_s = time.perf_counter() - start
 
     def generate(batch: list[list[int]], new_tokens: int) -> None:
