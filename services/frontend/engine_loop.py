@@ -27,7 +27,7 @@ from opentelemetry import trace
 from ..common.errors import NotReady, OutOfCapacity
 from ..common.tracing import tracer, tracing_enabled
 from .engine import Engine
-from .metrics import ServingMetrics, latency
+from .metrics import ServingMetrics
 from .recovery import CacheMismatch, Sidecars, is_sidecar_loss
 from .request import FinishReason, GenerationParams, StepOutput
 
@@ -109,7 +109,8 @@ class EngineLoop:
         events: asyncio.Queue[Event] = asyncio.Queue()
         subscriber = _Subscriber(asyncio.get_running_loop(), events, trace.get_current_span().get_span_context(),
                                  final_only)
-        self._call(lambda: self._add(request_id, prompt, params, tenant_salt, subscriber))
+        arrival = time.monotonic()  # now: the engine thread takes the request only after the step in progress
+        self._call(lambda: self._add(request_id, prompt, params, tenant_salt, subscriber, arrival))
         return events
 
     def abort(self, request_id: str) -> None:
@@ -171,14 +172,14 @@ class EngineLoop:
             return outputs
 
     def _add(self, request_id: str, prompt: list[int], params: GenerationParams, salt: bytes,
-             subscriber: _Subscriber) -> None:
+             subscriber: _Subscriber, arrival: float) -> None:
         try:
             waiting = self._num_waiting_requests()
             if waiting >= self.max_waiting_requests:
                 self.num_refused += 1
                 raise OutOfCapacity(f"the server is at capacity: {waiting} waiting request(s), the bound of its queue"
                                     f" (--max-waiting-requests {self.max_waiting_requests}); retry later")
-            self.engine.enqueue(request_id, prompt, params, salt)  # checked in `submit`
+            self.engine.enqueue(request_id, prompt, params, salt).metrics.arrival = arrival  # checked in `submit`
         except Exception as exc:
             subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, exc)
             return
@@ -186,7 +187,16 @@ class EngineLoop:
 
     def _abort(self, request_id: str) -> None:
         self._subscribers.pop(request_id, None)
-        self.engine.abort(request_id)
+        self._end(request_id)
+
+    def _end(self, request_id: str, failed: bool = False) -> None:
+        """Aborts a request still in the engine and counts how it ended (`failed`: an error, not a cancel)."""
+        request = self.engine.scheduler.requests.get(request_id)
+        try:
+            self.engine.abort(request_id)
+        finally:
+            if request is not None:
+                self.metrics.record_ended(request, failed)
 
     def _finish_sample(self, request_id: str, index: int) -> None:
         request = self.engine.scheduler.requests.get(request_id)
@@ -214,8 +224,7 @@ class EngineLoop:
 
     def _close(self, request_id: str, request: Any) -> list[tuple[_Subscriber, Event]]:
         """Records the finished request; returns the end of its stream to post."""
-        num_tokens = sum(len(s.output_token_ids) for s in request.seqs)
-        self.metrics.record_finished(latency(request.metrics, num_tokens))
+        self.metrics.record_ended(request)
         subscriber = self._subscribers.pop(request_id, None)
         return [(subscriber, None)] if subscriber is not None else []
 
@@ -223,7 +232,7 @@ class EngineLoop:
         for request_id in list(self.engine.scheduler.requests):
             subscriber = self._subscribers.pop(request_id, None)
             try:
-                self.engine.abort(request_id)
+                self._end(request_id, failed=True)
             except Exception:
                 log.exception("could not abort %s after a failed step", request_id)
             if subscriber is not None:
@@ -289,7 +298,7 @@ class EngineLoop:
         self.refusing = reason
         for request_id in list(self.engine.scheduler.requests):
             subscriber = self._subscribers.pop(request_id, None)
-            self.engine.abort(request_id)  # nothing is held in the block manager: only local state goes
+            self._end(request_id, failed=True)  # nothing is held in the block manager: only local state goes
             if subscriber is not None:
                 subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, NotReady(reason))
         self.status = self._status()

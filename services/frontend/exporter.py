@@ -3,8 +3,10 @@ beside the kubelet's probes: `/readyz` (200 once the engine runs over both sidec
 `/healthz` (200 unless the engine thread died: a lost sidecar is waited for, not a reason to restart).
 
 Nothing is counted twice: each scrape reads the engine loop's latest status (queues, block stats from the
-block manager, preemptions, refusals) and the serving metrics' sliding window (goodput, latency percentiles),
-the same numbers the `Status` RPC answers with. Before the model is loaded only `pagedserve_ready 0` is served.
+block manager, preemptions, refusals), the serving metrics' sliding window (goodput, latency percentiles: the
+`Status` RPC's numbers) and their cumulative totals (latency histograms, requests by finish reason, tokens),
+each read at once. Before the model is loaded only `pagedserve_ready 0` is served. docs/observability.md
+lists every metric.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from .engine_loop import EngineLoop
+from .metrics import HistogramSnapshot, Totals
 
 
 class ServingCollector(Collector):
@@ -31,7 +35,7 @@ class ServingCollector(Collector):
         yield GaugeMetricFamily("pagedserve_ready", "1 once the model is loaded and the engine runs", loop is not None)
         if loop is None:
             return
-        status, window = loop.status, loop.metrics.snapshot()
+        status, window, totals = loop.status, loop.metrics.snapshot(), loop.metrics.totals()
         stats = status["stats"]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -54,12 +58,18 @@ class ServingCollector(Collector):
         yield gauge("kv_utilization", "filled token slots / slots of used blocks", stats.kv_utilization)
         yield gauge("prefix_cache_hit_rate", "prompt tokens served from the prefix cache / looked up",
                     stats.prefix_hit_rate)
+        # the block manager's own counters: they start again from 0 if its process does (a counter reset)
+        yield CounterMetricFamily("pagedserve_prefix_cache_queries", "tokens looked up in the prefix cache"
+                                  " at admission", value=stats.prefix_cache_queries)
+        yield CounterMetricFamily("pagedserve_prefix_cache_hits", "tokens served from the prefix cache at admission",
+                                  value=stats.prefix_cache_hits)
         preemptions = CounterMetricFamily("pagedserve_preemptions", "sequences preempted", labels=["mode"])
         for mode in ("recompute", "swap"):
             preemptions.add_metric([mode], status[f"num_preemptions_{mode}"])
         yield preemptions
-        yield CounterMetricFamily("pagedserve_requests_finished", "requests finished",
-                                  value=window["num_requests_finished"])
+        yield CounterMetricFamily("pagedserve_requests_finished", "requests finished (stop or length)",
+                                  value=totals.num_requests_finished)
+        yield from _request_totals(totals)
         yield CounterMetricFamily("pagedserve_requests_refused", "requests refused because the waiting queue was full",
                                   value=status["num_refused"])
         seconds = window["window_s"]
@@ -69,13 +79,42 @@ class ServingCollector(Collector):
         yield gauge("generation_tokens_per_second", f"tokens generated, over {seconds:g} s",
                     window["generation_tokens_per_s"])
         for name, key in (("time_to_first_token", "ttft"), ("time_per_output_token", "tpot")):
-            quantiles = GaugeMetricFamily(f"pagedserve_{name}_seconds", f"{name.replace('_', ' ')} of requests"
-                                          f" finished in the last {seconds:g} s", labels=["quantile"])
+            # `_window_`: the histograms hold the plain names
+            quantiles = GaugeMetricFamily(f"pagedserve_{name}_window_seconds", f"{name.replace('_', ' ')} of"
+                                          f" requests finished in the last {seconds:g} s", labels=["quantile"])
             quantiles.add_metric(["0.5"], window[f"{key}_ms_p50"] / 1000)
             quantiles.add_metric(["0.99"], window[f"{key}_ms_p99"] / 1000)
             yield quantiles
             yield gauge(f"{name}_slo_seconds", f"the {key.upper()} objective goodput counts against",
                         window[f"{key}_slo_ms"] / 1000)
+
+
+def _request_totals(totals: Totals) -> Iterator[Metric]:
+    ended = CounterMetricFamily("pagedserve_requests_ended", "requests that left the engine, by how they ended"
+                                " (abort: cancelled or past the deadline; error: a failed step or lost sidecars)",
+                                labels=["finish_reason"])
+    for reason, count in totals.requests_ended.items():
+        ended.add_metric([reason], count)
+    yield ended
+    yield CounterMetricFamily("pagedserve_prompt_tokens", "prompt tokens of the requests that ended",
+                              value=totals.num_prompt_tokens)
+    yield CounterMetricFamily("pagedserve_generation_tokens", "tokens generated for the requests that ended"
+                              " (all samples)", value=totals.num_generation_tokens)
+    for name, doc, histogram in (
+        ("request_queue_time", "arrival to first scheduled", totals.queue_time),
+        ("time_to_first_token", "arrival to the first token", totals.time_to_first_token),
+        ("time_per_output_token", "mean time per token after the first, per request (first sample)",
+         totals.time_per_output_token),
+        ("inter_token_latency", "each gap between two tokens (first sample)", totals.inter_token_latency),
+        ("e2e_request_latency", "arrival to end, every request that ended", totals.e2e_latency),
+    ):
+        yield _histogram(f"pagedserve_{name}_seconds", doc, histogram)
+
+
+def _histogram(name: str, doc: str, histogram: HistogramSnapshot) -> HistogramMetricFamily:
+    bounds = [*map(floatToGoString, histogram.bounds), "+Inf"]
+    buckets = list(zip(bounds, histogram.cumulative, strict=True))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=histogram.sum)
 
 
 class _QuietHandler(WSGIRequestHandler):

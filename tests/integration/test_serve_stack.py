@@ -213,7 +213,10 @@ def test_a_frontend_refuses_a_limit_below_one() -> None:
     assert run.returncode == 2 and "--max-waiting-requests: must be >= 1, got 0" in run.stderr, run.stderr
 
 
-def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+Scrape = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(address: str) -> Scrape:
     """The pod's /metrics, parsed by Prometheus' own text parser: (sample name, labels) -> value."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -239,7 +242,7 @@ def test_metrics_endpoint_exports_load_and_goodput(pod: Pod) -> None:
     assert blocks["cached"] > 0  # the prompt's full blocks stay cached after the request
     assert after[("pagedserve_kv_block_pressure", ())] == 0 and after[("pagedserve_running_seqs", ())] == 0
     assert after[("pagedserve_generation_tokens_per_second", ())] > 0
-    assert after[("pagedserve_time_to_first_token_seconds", (("quantile", "0.5"),))] > 0
+    assert after[("pagedserve_time_to_first_token_window_seconds", (("quantile", "0.5"),))] > 0
     assert after[("pagedserve_time_to_first_token_slo_seconds", ())] == 2.0
     for mode in ("recompute", "swap"):
         assert ("pagedserve_preemptions_total", (("mode", mode),)) in after
@@ -251,6 +254,75 @@ def test_metrics_endpoint_exports_load_and_goodput(pod: Pod) -> None:
     assert seen is not None and seen.total_blocks == 256 and seen.used_blocks == status.num_used_blocks == 0
     assert seen.finished_rps == status.finished_rps and seen.goodput_rps == status.goodput_rps
     assert seen.waiting_requests == 0 and seen.preemptions_total == 0
+
+
+REQUEST_HISTOGRAMS = ("request_queue_time", "time_to_first_token", "e2e_request_latency")
+
+
+def request_reason(chunks: list[pb.GenerateResponse]) -> str:
+    """The request's finish reason as the exporter counts it: abort, else length, else stop, over its samples."""
+    reasons = {c.finish_reason for c in chunks if c.finish_reason}
+    return "abort" if pb.ABORT in reasons else "length" if pb.LENGTH in reasons else "stop"
+
+
+def increase(before: Scrape, after: Scrape, name: str, *labels: tuple[str, str]) -> float:
+    return after[(name, labels)] - before[(name, labels)]
+
+
+def test_metrics_histograms_and_counters_add_up_to_what_the_requests_returned(pod: Pod) -> None:
+    """N requests through the pod: every request histogram counts N more, with the latencies each usage reported;
+    the finish-reason, token and prefix-cache counters grow by what the responses say; a cancel counts as abort."""
+    address = f"127.0.0.1:{pod.proc.args[pod.proc.args.index('--metrics-port') + 1]}"  # type: ignore[index,union-attr]
+    pod.wait_idle()
+    before = scrape(address)
+    runs = [pod.generate(PROMPTS[4], max_tokens=5, ignore_eos=True)[0],
+            pod.generate(PROMPTS[4], max_tokens=5, ignore_eos=True)[0],  # its prompt's blocks now cached
+            pod.generate(PROMPTS[2], max_tokens=4, n=2, temperature=1.0, seed=3, ignore_eos=True)[0],
+            pod.generate(PROMPTS[3], max_tokens=6)[0]]  # stop or length: whatever the model says
+    pod.wait_idle()
+    after = scrape(address)
+
+    def grew(name: str, *labels: tuple[str, str]) -> float:
+        return increase(before, after, name, *labels)
+
+    usages = [chunks[-1].usage for chunks in runs]
+    first_sample = [sum(len(c.token_ids) for c in chunks[:-1] if c.index == 0) for chunks in runs]
+    for name, seconds in zip(REQUEST_HISTOGRAMS, ("queue_ms", "ttft_ms", "e2e_ms"), strict=True):
+        assert grew(f"pagedserve_{name}_seconds_count") == len(runs)
+        assert grew(f"pagedserve_{name}_seconds_bucket", ("le", "+Inf")) == len(runs)
+        assert grew(f"pagedserve_{name}_seconds_sum") == pytest.approx(
+            sum(getattr(u, seconds) for u in usages) / 1000, rel=1e-6, abs=1e-9)
+    assert grew("pagedserve_inter_token_latency_seconds_count") == sum(n - 1 for n in first_sample)
+    assert grew("pagedserve_time_per_output_token_seconds_count") == sum(n > 1 for n in first_sample)
+    ttft = {float(dict(labels)["le"]): value for (name, labels), value in after.items()
+            if name == "pagedserve_time_to_first_token_seconds_bucket"}
+    buckets = [ttft[le] for le in sorted(ttft)]
+    assert buckets == sorted(buckets) and len(buckets) == 23  # cumulative, 22 bounds and +Inf
+    reasons = [request_reason(chunks) for chunks in runs]
+    for reason in ("stop", "length", "abort", "error"):
+        assert grew("pagedserve_requests_ended_total", ("finish_reason", reason)) == reasons.count(reason)
+    assert grew("pagedserve_requests_finished_total") == len(runs)
+    assert grew("pagedserve_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert grew("pagedserve_generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    # one lookup per request; the n=2 one's first sample is admitted without its last prompt token (each fork
+    # computes that token itself)
+    assert grew("pagedserve_prefix_cache_queries_total") == sum(u.prompt_tokens for u in usages) - 1
+    assert grew("pagedserve_prefix_cache_hits_total") == sum(u.cached_prompt_tokens for u in usages)
+    assert usages[1].cached_prompt_tokens > 0
+    assert after[("pagedserve_prefix_cache_hits_total", ())] / after[("pagedserve_prefix_cache_queries_total", ())] \
+        == pytest.approx(after[("pagedserve_prefix_cache_hit_rate", ())])
+
+    call = pod.stub.Generate(pb.GenerateRequest(text=PROMPTS[0], params=pb.GenerationParameters(
+        max_tokens=400, ignore_eos=True)))
+    next(call)
+    call.cancel()
+    pod.wait_idle()
+    cancelled = scrape(address)
+    assert increase(after, cancelled, "pagedserve_requests_ended_total", ("finish_reason", "abort")) == 1
+    for name in ("time_to_first_token", "e2e_request_latency"):  # it had its first token before it ended
+        assert increase(after, cancelled, f"pagedserve_{name}_seconds_count") == 1
+    assert increase(after, cancelled, "pagedserve_requests_finished_total") == 0
+    assert increase(after, cancelled, "pagedserve_generation_tokens_total") >= 1
 
 
 def test_probe_endpoints_follow_the_engine(pod: Pod) -> None:
