@@ -3,7 +3,8 @@
 As in KServe's server: a domain error becomes the right status code (bad input -> INVALID_ARGUMENT, out
 of capacity -> RESOURCE_EXHAUSTED, not ready -> UNAVAILABLE, no valid key -> UNAUTHENTICATED); anything
 else is logged and answered INTERNAL with a generic message, so internals never leak to clients and the
-server keeps serving.
+server keeps serving. Bytes that do not parse as the method's request are INVALID_ARGUMENT too (gRPC itself
+would answer UNKNOWN with the parser's exception).
 """
 
 from __future__ import annotations
