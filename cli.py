@@ -27,6 +27,7 @@ BENCHMARKS = {
     "blocks": ("pagedserve.benchmarks.blocks", "block-manager utilization and step latency"),
     "executor": ("pagedserve.benchmarks.executor", "generation throughput vs HF transformers generate()"),
     "kernels": ("pagedserve.benchmarks.kernels", "paged decode attention bandwidth and speed vs SDPA"),
+    "layouts": ("pagedserve.benchmarks.layouts", "paged vs virtual-memory vs static KV layouts at one KV budget"),
     "model": ("pagedserve.benchmarks.model_check", "our model vs HF transformers per dtype: greedy tokens, logprobs"),
     "offline": ("pagedserve.benchmarks.offline", "an offline batch vs HF generate() and, with --peer, vLLM (CPU)"),
     "overhead": ("pagedserve.benchmarks.overhead", "per-step cost of frontend and block manager (stand-in executor)"),

@@ -25,6 +25,8 @@ def _driver() -> Any:
         from cuda.bindings import driver
     except ImportError as exc:
         raise NotImplementedError(f"{MISSING}; importing them failed: {exc}") from None
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA virtual memory management needs a CUDA device, and torch sees none")
     return driver
 
 
