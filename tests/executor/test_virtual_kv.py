@@ -1,8 +1,10 @@
-"""The virtual layout's CPU region against the kernel's own accounting (/proc/self/smaps): reserving commits
+"""The virtual layout's CPU region against the kernel's own accounting (mincore): reserving commits
 nothing, a write commits its pages, a release hands them back and they read as zeros; the GPU region refuses
 cleanly where it cannot run."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -10,34 +12,32 @@ import torch
 from pagedserve.services.executor.virtual_kv import MappedRegion, os_page_size, tokens_per_page, transparent_hugepages
 
 
-def resident_kib(pointer: int) -> int:
-    """Rss of the mapping that holds `pointer`, as the kernel counts it."""
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= pointer < end
-            elif inside and head == "Rss:":
-                return int(line.split()[1])
-    raise AssertionError("no mapping holds the pointer")
+def resident_bytes(region: MappedRegion) -> int:
+    """The region's pages the kernel has in memory (mincore): exact to the range, unlike /proc/self/smaps,
+    whose entries can merge the region with a neighbouring anonymous mapping."""
+    page = os_page_size()
+    length = region.kv.numel() * region.kv.element_size()
+    resident = (ctypes.c_ubyte * (length // page))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    status = libc.mincore(ctypes.c_void_p(region.kv.data_ptr()), ctypes.c_size_t(length), resident)
+    assert status == 0, f"mincore: errno {ctypes.get_errno()}"
+    return sum(flag & 1 for flag in resident) * page
 
 
 def test_a_region_commits_pages_as_it_is_written_and_releases_them() -> None:
     page = os_page_size()
     # 3 layers x (K, V) x 4096 tokens x 2 heads x 16 dims in fp32: 128-byte rows, 512 KiB per slab, 3 MiB reserved
     region = MappedRegion((3, 2, 4096, 2, 16), torch.float32, page)
-    assert resident_kib(region.kv.data_ptr()) == 0  # address space only
+    assert resident_bytes(region) == 0  # address space only
     assert region.ensure(100) == 6 * -(-100 * 128 // page)  # what the forward pass will write: 4 pages per slab
     region.kv[:, :, :100] = 1.0
-    assert resident_kib(region.kv.data_ptr()) * 1024 == region.committed_bytes == 6 * 4 * page
+    assert resident_bytes(region) == region.committed_bytes == 6 * 4 * page
     assert region.ensure(90) == 0 and region.ensure(129) == 6  # one more page per slab
     region.kv[:, :, 100:129] = 2.0
-    assert resident_kib(region.kv.data_ptr()) * 1024 == region.committed_bytes
+    assert resident_bytes(region) == region.committed_bytes
     region.release()
-    assert resident_kib(region.kv.data_ptr()) == 0 and region.committed_bytes == 0
-    assert not region.kv[:, :, :129].any()  # the pages came back as zeros
+    assert resident_bytes(region) == 0 and region.committed_bytes == 0
+    assert not region.kv[:, :, :129].any()  # the pages came back as zeros (read last: reads map the zero page)
 
 
 def test_page_arithmetic_and_the_kernel_setting() -> None:
