@@ -4,9 +4,22 @@ milliseconds, for tests of everything around the model."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 VOCAB = 96
 EOS = 95
+
+
+def randomize_norms_and_biases(model: Any) -> None:
+    """transformers inits norms to ones and biases to zeros, which would hide a swapped norm or a dropped bias."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.2)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.2)
 
 
 def save_tiny_llama(path: Path) -> Path:

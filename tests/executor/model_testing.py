@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tiny_model import randomize_norms_and_biases
 
 from pagedserve.kernels import KernelBackend
 from pagedserve.services.executor.attention import build_attention_metadata
@@ -48,12 +49,7 @@ def make_hf_model(variant: str, seed: int = 0) -> Any:
     config = AutoConfig.for_model(model_type, **{**SMALL_CONFIG, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(1.0, 0.2)
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.2)
+    randomize_norms_and_biases(model)
     return model
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_model import randomize_norms_and_biases
 
 from pagedserve.kernels import get_backend
 from pagedserve.services.block_manager.manager import BlockManager
@@ -42,12 +43,7 @@ def save_tiny(kind: str, path: Path) -> Path:
         bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(1.0, 0.2)
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.2)
+    randomize_norms_and_biases(model)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
