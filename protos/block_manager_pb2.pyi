@@ -543,6 +543,7 @@ class Stats(_message.Message):
     NUM_SWAPPED_IN_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_EVICTIONS_FIELD_NUMBER: _builtins.int
     WATERMARK_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     block_size: _builtins.int
     num_total_blocks: _builtins.int
     num_free_blocks: _builtins.int
@@ -569,6 +570,10 @@ class Stats(_message.Message):
     num_swapped_in_blocks: _builtins.int
     num_evictions: _builtins.int
     watermark: _builtins.float
+    instance_id: _builtins.str
+    """Random per process: a frontend tells a restarted block manager (which knows none of its sequences)
+    from the one it synchronised with.
+    """
     def __init__(
         self,
         *,
@@ -592,10 +597,11 @@ class Stats(_message.Message):
         num_swapped_in_blocks: _builtins.int = ...,
         num_evictions: _builtins.int = ...,
         watermark: _builtins.float = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_pressure", b"block_pressure", "block_pressure_with_cached", b"block_pressure_with_cached", "block_size", b"block_size", "kv_utilization", b"kv_utilization", "num_cached_blocks", b"num_cached_blocks", "num_cow_copies", b"num_cow_copies", "num_cpu_blocks", b"num_cpu_blocks", "num_evictions", b"num_evictions", "num_free_blocks", b"num_free_blocks", "num_free_cpu_blocks", b"num_free_cpu_blocks", "num_sequences", b"num_sequences", "num_swapped_in_blocks", b"num_swapped_in_blocks", "num_swapped_out_blocks", b"num_swapped_out_blocks", "num_swapped_sequences", b"num_swapped_sequences", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "prefix_hit_rate", b"prefix_hit_rate", "watermark", b"watermark"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_pressure", b"block_pressure", "block_pressure_with_cached", b"block_pressure_with_cached", "block_size", b"block_size", "instance_id", b"instance_id", "kv_utilization", b"kv_utilization", "num_cached_blocks", b"num_cached_blocks", "num_cow_copies", b"num_cow_copies", "num_cpu_blocks", b"num_cpu_blocks", "num_evictions", b"num_evictions", "num_free_blocks", b"num_free_blocks", "num_free_cpu_blocks", b"num_free_cpu_blocks", "num_sequences", b"num_sequences", "num_swapped_in_blocks", b"num_swapped_in_blocks", "num_swapped_out_blocks", b"num_swapped_out_blocks", "num_swapped_sequences", b"num_swapped_sequences", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "prefix_hit_rate", b"prefix_hit_rate", "watermark", b"watermark"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,6 +7,7 @@ values; a broken invariant is an assert, caught by `check_integrity()`.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -96,6 +97,7 @@ class BlockManager:
         self.block_size = block_size
         self.watermark = watermark
         self.watermark_blocks = int(watermark * num_blocks)
+        self.instance_id = secrets.token_hex(8)  # in Stats: which process answers (a Reset keeps it)
         self.pool = BlockPool(num_blocks)
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.seqs: dict[int, SequenceState] = {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,6 +31,8 @@ class BlockStats:
     num_swapped_in_blocks: int
     num_evictions: int
     watermark: float
+    # random per block-manager process (a restarted one has another); not part of the state it describes
+    instance_id: str = field(default="", compare=False)
 
 
 def filled_slots(manager: BlockManager) -> int:
@@ -71,4 +73,5 @@ def collect_stats(manager: BlockManager) -> BlockStats:
         num_swapped_in_blocks=manager.num_swapped_in_blocks,
         num_evictions=pool.num_evictions,
         watermark=manager.watermark,
+        instance_id=manager.instance_id,
     )

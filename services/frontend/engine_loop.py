@@ -143,8 +143,9 @@ class EngineLoop:
             try:
                 outputs = self._step()
             except Exception as exc:
-                if self.sidecars is not None and is_sidecar_loss(exc):
-                    self._lose(exc)
+                loss = self._as_loss(exc)
+                if loss is not None:
+                    self._lose(loss)
                 else:
                     log.exception("engine step failed: failing the requests in flight")
                     self._fail_all(exc)
@@ -156,10 +157,11 @@ class EngineLoop:
         try:
             command()
         except Exception as exc:  # an abort's frees could not be sent: the block manager is lost too
-            if self.sidecars is None or not is_sidecar_loss(exc):
+            loss = self._as_loss(exc) if self.down_since is None else exc
+            if loss is None:
                 log.exception("engine command failed")
             elif self.down_since is None:
-                self._lose(exc)
+                self._lose(loss)
 
     def _step(self) -> list[StepOutput]:
         if not tracing_enabled():
@@ -242,6 +244,19 @@ class EngineLoop:
         except Exception:
             log.exception("could not reset the block manager after a failed step")
         self.status = self._status()
+
+    def _as_loss(self, exc: Exception) -> Exception | None:
+        """The failure as a lost sidecar, or None when it is a bad step. A block manager that restarted between
+        two calls answers the next with an error about sequences it never knew: asked, it is another process."""
+        if self.sidecars is None:
+            return None
+        if is_sidecar_loss(exc):
+            return exc
+        try:
+            self.sidecars.check_block_manager()
+        except Exception as check:
+            return check if is_sidecar_loss(check) else None
+        return None
 
     def _probe(self) -> None:
         if self.sidecars is None:

@@ -2,7 +2,9 @@
 
 A sidecar is lost when a call to it fails with UNAVAILABLE (the process died, the socket is gone; or the
 executor is not in the frontend's epoch: it restarted) or DEADLINE_EXCEEDED (it stopped answering within the
-step deadline); an idle frontend probes for the same. Any other failure is a bad step, not a lost sidecar.
+step deadline); an idle frontend probes for the same. A failed step whose block manager turns out to be
+another process (its Stats' instance id changed: it restarted between two calls and knows none of the
+frontend's sequences) is a loss too. Any other failure is a bad step, not a lost sidecar.
 Synchronising starts a new executor epoch (steps sent before are dropped, never run into blocks handed out
 again), empties the block manager, and checks that both still describe the cache and weights the
 engine was built for: a sidecar that comes back different is refused, clearly, and the frontend stays down.
@@ -32,8 +34,14 @@ class ExecutorRestarted(RuntimeError):
     """The executor answers, but not in the frontend's epoch: it is a new process."""
 
 
+class BlockManagerRestarted(RuntimeError):
+    """The block manager answers, but as another process than the one the frontend synchronised with."""
+
+
 def is_sidecar_loss(exc: BaseException) -> bool:
-    return isinstance(exc, ExecutorRestarted) or (isinstance(exc, grpc.RpcError) and exc.code() in LOSS_CODES)
+    if isinstance(exc, ExecutorRestarted | BlockManagerRestarted):
+        return True
+    return isinstance(exc, grpc.RpcError) and exc.code() in LOSS_CODES
 
 
 def check_agreement(info: ExecutorInfo, stats: BlockStats) -> None:
@@ -56,6 +64,7 @@ class Sidecars:
     def __init__(self, executor: RemoteExecutor, block_manager: RemoteBlockManager) -> None:
         self.executor, self.block_manager = executor, block_manager
         self.info: ExecutorInfo | None = None  # what the engine was built for, from the first sync
+        self.block_manager_id = ""  # the block manager process of the last sync
         # a fresh start point: an executor that outlived an earlier frontend drops that frontend's steps too
         self.epoch = secrets.randbits(62)
 
@@ -72,6 +81,7 @@ class Sidecars:
         stats = self.block_manager.reset()
         check_agreement(info, stats)
         self.info = self.info or info
+        self.block_manager_id = stats.instance_id
         return stats
 
     def probe(self) -> None:
@@ -79,4 +89,10 @@ class Sidecars:
         epoch = self.executor.info().epoch
         if epoch != self.epoch:
             raise ExecutorRestarted(f"the executor is at epoch {epoch}, not {self.epoch}: it restarted")
-        self.block_manager.stats()
+        self.check_block_manager()
+
+    def check_block_manager(self) -> None:
+        """Raises a sidecar loss unless the block manager answers as the process last synchronised."""
+        instance = self.block_manager.stats().instance_id
+        if instance != self.block_manager_id:
+            raise BlockManagerRestarted(f"the block manager is {instance}, not {self.block_manager_id}: it restarted")

@@ -157,6 +157,25 @@ def test_a_sidecar_killed_mid_stream_three_times_costs_latency_not_tokens(
     assert pod.metric("pagedserve_sidecar_recoveries_total") == recoveries + 3  # each kill was noticed, mid-stream
 
 
+def test_a_block_manager_restarted_between_two_steps_is_noticed_and_recovered(
+    pod: Pod, expected: list[list[int]]
+) -> None:
+    """The frontend is paused while its block manager restarts, so no call fails on the way: the next Step
+    reaches a block manager that knows none of its sequences. Asked, it is another process: a loss."""
+    recoveries = pod.metric("pagedserve_sidecar_recoveries_total")
+
+    def restart_behind_the_frontends_back() -> None:
+        os.kill(pod.frontend.proc.pid, signal.SIGSTOP)
+        try:
+            pod.restart("block_manager")
+        finally:
+            os.kill(pod.frontend.proc.pid, signal.SIGCONT)
+
+    assert under_faults(pod, restart_behind_the_frontends_back, times=1) == expected
+    assert_idle_and_whole(pod)
+    assert pod.metric("pagedserve_sidecar_recoveries_total") == recoveries + 1
+
+
 def test_an_executor_stopped_past_the_step_deadline_is_waited_for(pod: Pod, expected: list[list[int]]) -> None:
     def stop_then_continue() -> None:
         os.kill(pod.executor.proc.pid, signal.SIGSTOP)
