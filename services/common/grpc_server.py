@@ -233,7 +233,16 @@ async def serve_until_signalled(
         await other.start()
         log.info("also listening on %s", other.listen)
     if warm_up is not None:
-        await warm_up()
+        warming = asyncio.ensure_future(warm_up())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({warming, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not warming.done():  # SIGTERM while loading a model or waiting for the sidecars: leave now
+            log.info("stopping during the warm-up")
+            await asyncio.gather(*(each.stop(grace=0) for each in (service, *also)))
+            shutdown_tracing()
+            os._exit(0)  # the warm-up's thread (a load, a wait) cannot be interrupted, and exit would join it
+        stopping.cancel()
+        warming.result()  # its error, if it failed
     # Everything alive now (modules, the model, tables) lives as long as the process: moved out of the
     # collector's generations, full collections stop walking it, which kept stalling steps by 10-25 ms.
     gc.freeze()

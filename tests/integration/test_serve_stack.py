@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -204,6 +205,21 @@ def test_serve_refuses_swap_without_a_swap_pool_before_loading_anything() -> Non
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONSAFEPATH": "1"})
     assert run.returncode == 1 and "needs a CPU swap pool" in run.stderr and "--cpu-swap-mib" in run.stderr
     assert "starting" not in run.stderr
+
+
+def test_a_frontend_waiting_for_its_sidecars_stops_at_sigterm(tmp_path: Path) -> None:
+    missing = f"unix:{tmp_path}/nothing.sock"  # sidecars that never come: it would wait --sidecar-timeout
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "frontend", "--block-manager", missing,
+                             "--executor", missing, "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    try:
+        assert proc.stdout is not None
+        assert "listening on" in proc.stdout.readline()  # up, and in its warm-up
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0  # not after the 300 s wait for the sidecars
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_frontend_refuses_a_limit_below_one() -> None:
