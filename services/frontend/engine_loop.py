@@ -71,7 +71,6 @@ class EngineLoop:
         self.sidecars, self.recovery_timeout, self.on_availability = sidecars, recovery_timeout, on_availability
         self.num_refused = 0  # requests refused because the queue was full
         self.down_since: float | None = None  # when a sidecar was lost (None: both answer)
-        self.down_reason = ""
         self.refusing = ""  # why new requests are refused at once while down (too long, another cache)
         self.num_recoveries = 0
         self._next_resync = 0.0
@@ -230,15 +229,19 @@ class EngineLoop:
         subscriber = self._subscribers.pop(request_id, None)
         return [(subscriber, None)] if subscriber is not None else []
 
-    def _fail_all(self, exc: Exception) -> None:
+    def _fail_requests(self, exc: BaseException) -> None:
+        """Ends every request in the engine, each caller answered with `exc`."""
         for request_id in list(self.engine.scheduler.requests):
             subscriber = self._subscribers.pop(request_id, None)
             try:
                 self._end(request_id, failed=True)
             except Exception:
-                log.exception("could not abort %s after a failed step", request_id)
+                log.exception("could not abort %s", request_id)
             if subscriber is not None:
                 subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        self._fail_requests(exc)
         try:  # the failed steps may have left KV half written that the prefix cache already points at
             self.engine.scheduler.stats = self.engine.scheduler.block_manager.reset()
         except Exception:
@@ -273,8 +276,8 @@ class EngineLoop:
         """A sidecar is gone: every request waits, to be recomputed once both answer again."""
         self.engine.scheduler.restart()
         self.down_since, self._next_resync = time.monotonic(), 0.0
-        self.down_reason = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
-        log.warning("lost a sidecar (%s): %d request(s) wait to be recomputed", self.down_reason,
+        reason = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+        log.warning("lost a sidecar (%s): %d request(s) wait to be recomputed", reason,
                     len(self.engine.scheduler.requests))
         self.on_availability(False)
         self.status = self._status()
@@ -303,7 +306,7 @@ class EngineLoop:
         self.engine.scheduler.stats = stats
         log.warning("sidecars back after %.1f s: resuming %d request(s)", now - self.down_since,
                     len(self.engine.scheduler.requests))
-        self.down_since, self.down_reason, self.refusing = None, "", ""
+        self.down_since, self.refusing = None, ""
         self.num_recoveries += 1
         self.on_availability(True)
         self.status = self._status()
@@ -311,11 +314,7 @@ class EngineLoop:
     def _refuse(self, reason: str) -> None:
         """Fails every request with UNAVAILABLE and refuses new ones until the sidecars are back."""
         self.refusing = reason
-        for request_id in list(self.engine.scheduler.requests):
-            subscriber = self._subscribers.pop(request_id, None)
-            self._end(request_id, failed=True)  # nothing is held in the block manager: only local state goes
-            if subscriber is not None:
-                subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, NotReady(reason))
+        self._fail_requests(NotReady(reason))  # nothing is held in the block manager: only local state goes
         self.status = self._status()
 
     def _num_waiting_requests(self) -> int:

@@ -28,7 +28,7 @@ from ...protos import inference_pb2_grpc as pb_grpc
 from ..common.processes import ServiceProcess, start_service, stop_service, wait_serving
 from ..common.tls import TlsConfigError
 from ..executor.client import RemoteExecutor
-from ..executor.options import add_executor_arguments
+from ..executor.options import ExecutorConfig, add_executor_arguments
 from .auth import KeysFileError
 from .public_options import add_public_arguments, load_public_settings, public_flags
 from .scheduler import SWAP_WITHOUT_POOL
@@ -64,16 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_public_arguments(parser)
 
 
-def _executor_args(args: argparse.Namespace) -> list[str]:
-    out = ["executor", "--model", args.model, "--block-size", str(args.block_size),
-           "--kv-cache-mib", str(args.kv_cache_mib), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--cpu-swap-mib", str(args.cpu_swap_mib), "--kv-layout", args.kv_layout]
-    for flag in ("dtype", "device", "num_blocks", "max_model_len", "threads"):
-        if getattr(args, flag) is not None:
-            out += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    return out
-
-
 def status_line(status: pb.StatusResponse) -> str:
     return (f"running {status.num_running} | waiting {status.num_waiting} | "
             f"{status.generation_tokens_per_s:.1f} tok/s | blocks {status.num_used_blocks}/{status.num_total_blocks}"
@@ -94,7 +84,8 @@ class Stack:
         self.frontend_local = f"unix:{self.run_dir}/frontend.sock"  # the supervisor's own, plain listener
 
     def start(self, args: argparse.Namespace) -> str:
-        self._start("executor", _executor_args(args), f"unix:{self.run_dir}/executor.sock", timeout=1800)
+        executor_argv = ["executor", *ExecutorConfig.from_args(args).to_argv()]
+        self._start("executor", executor_argv, f"unix:{self.run_dir}/executor.sock", timeout=1800)
         info = RemoteExecutor(self.services["executor"].address).info()
         self._start("block-manager", ["block-manager", "--num-blocks", str(info.num_blocks), "--block-size",
                                       str(info.block_size), "--cpu-blocks", str(info.num_cpu_blocks)],
