@@ -331,10 +331,11 @@ class Decode(_message.Message):
     """The decode fast path, one entry per running sequence: the previous step's tokens are stored (commit
     every reserved slot), then append token_ids[i] and reserve one slot. The commit always applies; a
     sequence that cannot get a block is listed in refused_seq_ids and otherwise unchanged.
-    Overlapped steps: the new slot may be for the token that the step in flight samples, which the next
-    Decode tells (token_ids[i] then fills that slot). token_ids[i] = -1 appends nothing (the first decode
-    after a prefill whose sampled token is not known yet). A sequence holds at most one such slot, and
-    blocks enter the prefix cache only once all their tokens are known.
+    Overlapped steps: the new slot may be for a token that a step in flight samples, which a later Decode
+    tells (token_ids[i] then fills the oldest such slot). token_ids[i] = -1 appends nothing (the decodes
+    right after a prefill whose sampled tokens are not known yet). A sequence holds at most two such slots
+    (the frontend plans step N+2 while N and N+1 are in flight), and blocks enter the prefix cache only
+    once all their tokens are known.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -76,8 +76,26 @@ def stats_from_proto(stats: pb.Stats) -> BlockStats:
     return BlockStats(**{name: getattr(stats, name) for name in BlockStats.__dataclass_fields__})
 
 
+def step_to_proto(ops: Sequence[Op]) -> pb.StepRequest:
+    return pb.StepRequest(ops=[op_to_proto(op) for op in ops])
+
+
+def answer_from_proto(response: pb.StepResponse) -> StepAnswer:
+    return StepAnswer([outcome_from_proto(r) for r in response.results], stats_from_proto(response.stats))
+
+
+class PendingStep:
+    """A Step sent, not answered yet."""
+
+    def __init__(self, future: grpc.Future) -> None:
+        self.future = future
+
+    def result(self) -> StepAnswer:
+        return answer_from_proto(self.future.result())
+
+
 class RemoteBlockManager:
-    """Synchronous: the engine thread makes one Step call per scheduler step."""
+    """The engine thread makes one Step call per scheduler step."""
 
     def __init__(self, address: str, timeout: float = 30.0) -> None:
         self.channel = traced_channel(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
@@ -85,8 +103,11 @@ class RemoteBlockManager:
         self.timeout = timeout
 
     def step(self, ops: Sequence[Op]) -> StepAnswer:
-        response = self.stub.Step(pb.StepRequest(ops=[op_to_proto(op) for op in ops]), timeout=self.timeout)
-        return StepAnswer([outcome_from_proto(r) for r in response.results], stats_from_proto(response.stats))
+        return answer_from_proto(self.stub.Step(step_to_proto(ops), timeout=self.timeout))
+
+    def send(self, ops: Sequence[Op]) -> PendingStep:
+        """The same call, returning at once: the engine collects the executor's tokens meanwhile."""
+        return PendingStep(self.stub.Step.future(step_to_proto(ops), timeout=self.timeout))
 
     def stats(self) -> BlockStats:
         return stats_from_proto(self.stub.Stats(pb.StatsRequest(), timeout=self.timeout).stats)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from .manager import MAX_UNTOLD_SLOTS
 from .stats import filled_slots
 
 if TYPE_CHECKING:
@@ -17,9 +18,9 @@ def check_integrity(manager: BlockManager) -> None:
     cpu_refs: Counter[int] = Counter()
     for seq_id, seq in manager.seqs.items():
         assert seq.seq_id == seq_id, f"sequence stored under {seq_id} calls itself {seq.seq_id}"
-        assert seq.num_computed <= seq.num_slots <= len(seq.token_ids) + 1, (
+        assert seq.num_computed <= seq.num_slots <= len(seq.token_ids) + MAX_UNTOLD_SLOTS, (
             f"seq {seq_id}: computed {seq.num_computed} <= slots {seq.num_slots} <= tokens"
-            f" {len(seq.token_ids)} + 1 violated (reserve/commit bookkeeping)"
+            f" {len(seq.token_ids)} + {MAX_UNTOLD_SLOTS} violated (reserve/commit bookkeeping)"
         )
         assert len(seq.block_hashes) == min(seq.num_computed, len(seq.token_ids)) // bs, (
             f"seq {seq_id}: {len(seq.block_hashes)} block keys for {seq.num_computed} computed tokens"

@@ -66,6 +66,9 @@ class SwapResult(NamedTuple):
 
 
 NO_TOKEN = -1  # decode: the new slot is for the token the step in flight samples (overlapped steps)
+# Slots a sequence may hold whose tokens it has not been told: those that the two steps in flight sample (the
+# frontend plans step N+2 and makes this call while N runs and N+1 waits behind it).
+MAX_UNTOLD_SLOTS = 2
 
 REFUSED_RESERVATION = Reservation(False, [], [], None)
 REFUSED_ADMISSION = Admission(False, 0, 0, [], None)
@@ -227,9 +230,9 @@ class BlockManager:
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> DecodeResult:
         """The fast path of a decode step: per sequence, commit(num_slots), append the token unless it is
-        NO_TOKEN, then reserve one slot. With overlapped steps the new slot's token is the one the step in
-        flight samples, told by the next decode: a sequence holds at most one slot whose token is unknown
-        (NO_TOKEN is valid only when it holds none), and only blocks whose tokens are all known are hashed.
+        NO_TOKEN, then reserve one slot. With overlapped steps the new slot's token is the one a step in
+        flight samples, told by a later decode: a sequence holds at most MAX_UNTOLD_SLOTS slots whose tokens
+        are unknown (NO_TOKEN is valid only below that), and only blocks whose tokens are all known are hashed.
         The commit always applies; a sequence whose reservation is refused is listed and unchanged.
         Written out inline (no per-sequence result objects): it runs for every running sequence every step."""
         if len(seq_ids) != len(token_ids):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..common.errors import InvalidRequest
-from .manager import NO_TOKEN, BlockCopy, BlockManager, BlockTableDelta
+from .manager import MAX_UNTOLD_SLOTS, NO_TOKEN, BlockCopy, BlockManager, BlockTableDelta
 from .stats import BlockStats
 
 MIN_NAMESPACE_BYTES, MAX_NAMESPACE_BYTES = 8, 64
@@ -136,13 +136,14 @@ class _Validator:
         self.decoded_once.add(seq_id)
 
     def check_unknown_slot_is_free(self, seq_id: int, where: str) -> None:
-        """A decode without a token reserves a slot for a token told later: a sequence holds one at most."""
+        """A decode without a token reserves a slot for a token told later: a sequence holds MAX_UNTOLD_SLOTS
+        such slots at most (a told decode keeps their count)."""
         shadow = self.shadows.get(seq_id)
         num_slots, num_known = (shadow.num_slots, shadow.num_known) if shadow else (
             self.manager.seqs[seq_id].num_slots, len(self.manager.seqs[seq_id].token_ids))
-        if num_slots > num_known:
-            raise InvalidStep(f"{where}: sequence {seq_id} already holds a slot for a token not told yet;"
-                              f" this decode must tell it (NO_TOKEN is {NO_TOKEN})")
+        if num_slots - num_known >= MAX_UNTOLD_SLOTS:
+            raise InvalidStep(f"{where}: sequence {seq_id} already holds {num_slots - num_known} slots for tokens"
+                              f" not told yet; this decode must tell one (NO_TOKEN is {NO_TOKEN})")
 
     def existing(self, seq_id: int, where: str, resident: bool | None = True) -> _Shadow:
         shadow = self.shadow(seq_id)

@@ -1,8 +1,11 @@
 """The engine: admission checks, then the scheduler and the executor, one step per call.
 
-Overlapped (the default): each call plans and sends step N+1, then waits for step N's tokens, so the
-executor always has the next step queued while the frontend does its bookkeeping and the block-manager
-call; tokens reach the caller one step later. Serial (`overlap=False`): plan, run, wait, in lock step.
+Overlapped (the default): the executor always has the next step queued behind the one it runs. Each call
+plans step N+2 and sends its block-manager call, collects step N's tokens while the block manager works,
+then applies the answer (leaving out what finished in N) and sends N+2 behind N+1. So neither the block
+manager's round trip nor the frontend's bookkeeping waits on the accelerator, or it on them; tokens reach
+the caller one step later, and a sequence that stops costs one extra computed token (N+1's).
+Serial (`overlap=False`): plan, run, wait, in lock step.
 It is synchronous: the offline `LLM` calls it in a loop; the server runs it on its own thread.
 """
 
@@ -16,7 +19,7 @@ from ..block_manager.prefix_hash import cache_namespace
 from ..common.errors import ExceedsCapacity, InvalidRequest
 from .ports import ExecutorPort, RunningStep
 from .request import GenerationParams, Request, StepOutput
-from .scheduler import ScheduledStep, Scheduler
+from .scheduler import PlannedStep, ScheduledStep, Scheduler
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Engine:
         self.scheduler, self.executor, self.limits, self.identity = scheduler, executor, limits, identity
         self.overlap = overlap
         self.in_flight: list[tuple[ScheduledStep, RunningStep]] = []  # sent, not answered: oldest first
+        self.undelivered: list[StepOutput] = []  # collected by a step that then failed (see take_undelivered)
 
     def namespace(self, tenant_salt: bytes) -> bytes:
         i = self.identity
@@ -97,20 +101,37 @@ class Engine:
             )
 
     def step(self) -> list[StepOutput]:
-        """Sends the next step (if there is one); returns the outputs of the oldest step in flight, which with
-        overlap is the one before. On an error, every step in flight is waited for before it propagates."""
+        """Sends the next step (if there is one); returns the outputs of the oldest step in flight that was
+        collected (with overlap, two steps stay in flight). On an error, every step in flight is waited for
+        before it propagates."""
+        planned: PlannedStep | None = None
+        outputs: list[StepOutput] = []
+        collected = False
         try:
-            scheduled = self.scheduler.schedule()
+            planned = self.scheduler.plan()
+            if self.overlap and len(self.in_flight) >= 2:  # N+1 stays queued while N is collected
+                outputs, collected = self._collect_oldest(), True
+            scheduled = self.scheduler.apply(planned) if planned is not None else None
+            planned = None
             if scheduled is not None:
                 self.in_flight.append((scheduled, self.executor.submit(scheduled.step_input)))
-            if not self.in_flight or (self.overlap and len(self.in_flight) < 2 and scheduled is not None):
-                return []  # the first step of a burst: nothing has come back yet
-            outputs = self._collect_oldest()
+            if not collected and self.in_flight and (not self.overlap or scheduled is None):
+                outputs = self._collect_oldest()  # lock step, or nothing new to send: wait for the oldest
         except BaseException:
+            if planned is not None:  # answered or not, the call is over before anything else is sent
+                with contextlib.suppress(Exception):
+                    planned.answer.result()
+            self.undelivered += outputs  # recorded tokens: their callers get them even though the step failed
             self.drain()
             raise
         if not self.has_work:
             self.scheduler.flush()  # the last finished sequences release their blocks now, not next time
+        return outputs
+
+    def take_undelivered(self) -> list[StepOutput]:
+        """The outputs of a step collected before a later part of the same call failed (the block manager's
+        answer): the scheduler has recorded their tokens, so the callers must get them too."""
+        outputs, self.undelivered = self.undelivered, []
         return outputs
 
     def drain(self) -> None:

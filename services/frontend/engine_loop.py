@@ -142,6 +142,7 @@ class EngineLoop:
             try:
                 outputs = self._step()
             except Exception as exc:
+                self._deliver(self.engine.take_undelivered())
                 loss = self._as_loss(exc)
                 if loss is not None:
                     self._lose(loss)

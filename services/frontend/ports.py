@@ -2,7 +2,8 @@
 services/block_manager/client.py and services/executor/client.py.
 
 `BlockManagerPort.step` answers one batch of ops (validated as a whole, applied in order) with one outcome
-per op and the block statistics after the step. `ExecutorPort.submit` sends one step (block moves, the
+per op and the block statistics after the step; `send` makes the same call and returns at once, so that the
+engine collects a step's tokens while the block manager works. `ExecutorPort.submit` sends one step (block moves, the
 forward pass, sampling) and returns at once; its `result()` is one token per sequence that asked for one,
 in request order. Steps run in the order they are submitted, so step N+1 can be sent while N runs.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from ..block_manager.manager import BlockManager
 from ..block_manager.stats import BlockStats
@@ -22,8 +23,14 @@ if TYPE_CHECKING:  # the scheduler imports this module in the frontend, which mu
     from ..executor.runner import ModelRunner
 
 
+class PendingAnswer(Protocol):
+    def result(self) -> StepAnswer: ...
+
+
 class BlockManagerPort(Protocol):
     def step(self, ops: Sequence[Op]) -> StepAnswer: ...
+
+    def send(self, ops: Sequence[Op]) -> PendingAnswer: ...
 
     def stats(self) -> BlockStats: ...
 
@@ -45,12 +52,22 @@ class LocalBlockManager:
     def step(self, ops: Sequence[Op]) -> StepAnswer:
         return StepAnswer(apply_step(self.manager, ops), self.manager.stats())
 
+    def send(self, ops: Sequence[Op]) -> PendingAnswer:
+        return Answered(self.step(ops))  # in process there is nothing to overlap it with
+
     def stats(self) -> BlockStats:
         return self.manager.stats()
 
     def reset(self) -> BlockStats:
         self.manager.reset()
         return self.manager.stats()
+
+
+class Answered(NamedTuple):
+    answer: StepAnswer
+
+    def result(self) -> StepAnswer:
+        return self.answer
 
 
 class LocalExecutor:

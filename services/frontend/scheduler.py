@@ -19,11 +19,13 @@ sequences that each prefill the prompt. Each step tells the executor which seque
 last one (`released_seq_ids`), so such a layout gives their memory back (when the engine goes idle, at its
 next step).
 
-Overlapped steps (the engine's default): step N+1 is planned while step N runs, so a sequence's newest
-token may still be being sampled (`num_pending`). Its decode then asks the executor for LAST_SAMPLED and
-the block manager for a slot whose token it learns in the next Decode. `num_computed` counts the tokens of
-every step already sent; a sequence with a pending token is neither admitted, swapped in nor given a
-Reserve until its token is back, and one that will have reached its length limit is not scheduled again.
+Overlapped steps (the engine's default): step N+2 is planned, and its BlockManager call made, while step N
+runs and N+1 waits behind it; the answer is applied once N's tokens are recorded (`plan`, then `apply`).
+So a sequence's two newest tokens may still be being sampled (`num_pending`). Its decode asks the executor
+for LAST_SAMPLED and the block manager for a slot whose token it learns in a later Decode. `num_computed`
+counts the tokens of every step already sent; a sequence with a pending token is neither admitted, swapped
+in nor given a Reserve until its tokens are back, and one that will have reached its length limit is not
+scheduled again; one that finished between plan and apply is left out of the step.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
-from ..block_manager.manager import NO_TOKEN
+from ..block_manager.manager import MAX_UNTOLD_SLOTS, NO_TOKEN
 from ..block_manager.stats import BlockStats
 from ..block_manager.step import (
     AdmitOp,
@@ -49,7 +52,7 @@ from ..block_manager.step import (
     SwapOutOp,
 )
 from ..executor.step_types import LAST_SAMPLED, SampledToken, SequenceInput, StepInput
-from .ports import BlockManagerPort
+from .ports import BlockManagerPort, PendingAnswer
 from .request import FinishReason, Request, SeqStatus, SequenceOutput, SequenceState, StepOutput
 
 
@@ -63,15 +66,15 @@ class SchedulerConfig:
     share_kv: bool = True  # prefix hits and forks; False for a per-sequence KV layout (ExecutorInfo.kv_layout)
 
 
-class Work(NamedTuple):  # one per scheduled sequence and step
-    seq: SequenceState
-    num_tokens: int
-    slot_mapping: list[int]
+@dataclass
+class PlannedStep:
+    routes: list[tuple[Op, list[SequenceState]]]  # each op with the sequences its outcome is about
+    answer: PendingAnswer  # the block manager's, to the routes' ops
 
 
 @dataclass
 class ScheduledStep:
-    work: list[Work]
+    sampled: list[SequenceState]  # the sequences that sample a token, in the step's order (the executor's answer)
     step_input: StepInput
 
 
@@ -151,7 +154,20 @@ class Scheduler:
     # ---- planning ------------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledStep | None:
-        """Plans the step, sends its ops in one BlockManager call, and returns the executor's input."""
+        """Plans the step, makes its BlockManager call, and returns the executor's input (in lock step)."""
+        planned = self.plan()
+        return self.apply(planned) if planned is not None else None
+
+    def apply(self, planned: PlannedStep) -> ScheduledStep | None:
+        """The executor's input from the block manager's answer to a planned step. Tokens recorded between
+        `plan` and `apply` (the engine collects a step meanwhile) are used; a sequence that finished since
+        is left out (its blocks are freed with the next call)."""
+        answer = planned.answer.result()
+        self.stats = answer.stats
+        return self._apply_answer(planned.routes, answer.outcomes)
+
+    def plan(self) -> PlannedStep | None:
+        """Plans the step and sends its ops in one BlockManager call, without waiting for the answer."""
         routes: list[tuple[Op, list[SequenceState]]] = [(op, []) for op in self.pending]
         self.pending = []
         if self.starved:
@@ -166,9 +182,11 @@ class Scheduler:
             num_tokens = min(self._remaining(seq), budget)
             if num_tokens == 0:
                 continue
+            told = self._decode_token(seq) if num_tokens == 1 else None
+            if told is None and seq.num_computed + num_tokens > len(seq.token_ids):
+                continue  # no Decode (see _decode_token) and its input is still being sampled: next step
             budget -= num_tokens
             free_estimate -= self._blocks_needed(seq, num_tokens)
-            told = self._decode_token(seq) if num_tokens == 1 else None
             if told is not None:
                 decode_seqs.append(seq)
                 decode_tokens.append(told)
@@ -197,9 +215,7 @@ class Scheduler:
         if not routes:
             return None
         self.released += [op.seq_id for op, _ in routes if isinstance(op, FreeOp)]
-        answer = self.block_manager.step([op for op, _ in routes])
-        self.stats = answer.stats
-        return self._apply_answer(routes, answer.outcomes)
+        return PlannedStep(routes, self.block_manager.send([op for op, _ in routes]))
 
     def _reserve(self, seq: SequenceState, num_tokens: int) -> list[tuple[Op, list[SequenceState]]]:
         routes: list[tuple[Op, list[SequenceState]]] = []
@@ -214,7 +230,8 @@ class Scheduler:
     def _apply_answer(
         self, routes: list[tuple[Op, list[SequenceState]]], outcomes: list[OpOutcome]
     ) -> ScheduledStep | None:
-        work: dict[int, Work] = {}
+        inputs: list[SequenceInput] = []  # in the order of the routes
+        sampled: list[SequenceState] = []  # the sequences that sample a token, in the order of `inputs`
         copies: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         swap_out: list[tuple[int, int]] = []
@@ -224,25 +241,42 @@ class Scheduler:
             if outcome.deltas:
                 by_id = {s.seq_id: s for s in seqs}
                 for delta in outcome.deltas:
-                    if delta.seq_id in by_id:
-                        by_id[delta.seq_id].block_table[delta.keep :] = delta.append
-            copies += [(c.src, c.dst) for c in outcome.copies]
-            swap_in += [(c.src, c.dst) for c in outcome.swap_in]
-            swap_out += [(c.src, c.dst) for c in outcome.swap_out]
+                    if (seq := by_id.get(delta.seq_id)) is not None:
+                        # a new list, never changed in place: a step's input holds the table it was sent with
+                        seq.block_table = seq.block_table[: delta.keep] + list(delta.append)
+            if outcome.copies or outcome.swap_in or outcome.swap_out:
+                copies += [(c.src, c.dst) for c in outcome.copies]
+                swap_in += [(c.src, c.dst) for c in outcome.swap_in]
+                swap_out += [(c.src, c.dst) for c in outcome.swap_out]
             match op:
                 case DecodeOp():
-                    refused = set(outcome.refused_seq_ids)
-                    granted = [s for s in seqs if s.seq_id not in refused]
-                    self.starved |= bool(refused)
-                    for seq, slot in zip(granted, outcome.slot_mapping, strict=True):
-                        work[seq.seq_id] = Work(seq, 1, [slot])
-                        told = min(len(seq.token_ids), seq.num_computed + 1)
-                        seq.num_known_to_manager = max(seq.num_known_to_manager, told)
-                        seq.num_committed = seq.num_computed
+                    told_tokens: Sequence[int] = op.token_ids
+                    if outcome.refused_seq_ids:  # unchanged in the block manager: told nothing
+                        refused = set(outcome.refused_seq_ids)
+                        kept = [(s, t) for s, t in zip(seqs, told_tokens, strict=True) if s.seq_id not in refused]
+                        seqs, told_tokens = [s for s, _ in kept], [t for _, t in kept]
+                        self.starved = True
+                    # the step's hot loop: every decoding sequence, every step (SequenceInput written out)
+                    for seq, told, slot in zip(seqs, told_tokens, outcome.slot_mapping, strict=True):
+                        if told != NO_TOKEN:
+                            seq.num_known_to_manager += 1
+                        if seq.status is SeqStatus.FINISHED:
+                            continue  # since the plan: its slot goes with its blocks at the next call
+                        start, token_ids = seq.num_computed, seq.token_ids
+                        num_known = len(token_ids)
+                        seq.num_committed = start
+                        sample = start + 1 == num_known + seq.num_pending
+                        token = token_ids[start] if start < num_known else LAST_SAMPLED  # else: being sampled
+                        inputs.append(SequenceInput(seq.seq_id, [token], start, seq.block_table, [slot],
+                                                    seq.sampling if sample else None))
+                        seq.num_computed = start + 1  # from here on, as far as planning goes, it is computed
+                        if sample:
+                            seq.num_pending += 1
+                            sampled.append(seq)
                 case ReserveOp() if outcome.granted:
                     (seq,) = seqs
-                    work[seq.seq_id] = Work(seq, op.num_tokens, list(outcome.slot_mapping))
                     seq.num_known_to_manager = seq.num_computed + op.num_tokens
+                    self._schedule_tokens(seq, list(outcome.slot_mapping), inputs, sampled)
                 case ReserveOp():
                     self.starved |= seqs[0].status is SeqStatus.RUNNING
                 case AdmitOp() if outcome.granted:
@@ -252,7 +286,7 @@ class Scheduler:
                     seq.status = SeqStatus.RUNNING
                     seq.num_computed = seq.num_committed = outcome.num_cached_tokens
                     seq.num_known_to_manager = len(op.token_ids)
-                    work[seq.seq_id] = Work(seq, len(outcome.slot_mapping), list(outcome.slot_mapping))
+                    self._schedule_tokens(seq, list(outcome.slot_mapping), inputs, sampled)
                     seq.request.metrics.first_scheduled = seq.request.metrics.first_scheduled or now
                     seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, outcome.num_cached_tokens)
                 case SwapInOp() if outcome.granted:
@@ -267,22 +301,25 @@ class Scheduler:
                     self.swapped.remove(seq)
                     self.pending.append(FreeOp(seq.seq_id))
                     self._requeue_for_recompute(seq)
-        if not work and not (swap_out or swap_in or copies):
+        if not inputs and not (swap_out or swap_in or copies):
             return None  # the releases wait for the next step: an extra one would break LAST_SAMPLED's numbering
-        items = list(work.values())
-        sequences = []
-        for seq, num_tokens, slot_mapping in items:
-            start = seq.num_computed
-            tokens = seq.token_ids[start : start + num_tokens] or [LAST_SAMPLED]  # being sampled by the last step
-            sample = start + num_tokens == len(seq.token_ids) + seq.num_pending
-            sequences.append(SequenceInput(
-                seq.seq_id, tokens, start, list(seq.block_table), slot_mapping, seq.sampling if sample else None,
-            ))
-            seq.num_computed = start + num_tokens  # from here on, as far as planning goes, it is computed
-            seq.num_pending += sample
-        step = StepInput(sequences, swap_out=swap_out, swap_in=swap_in, copies=copies, step_id=next(self._step_ids),
+        step = StepInput(inputs, swap_out=swap_out, swap_in=swap_in, copies=copies, step_id=next(self._step_ids),
                          released_seq_ids=self._take_released())
-        return ScheduledStep(items, step)
+        return ScheduledStep(sampled, step)
+
+    @staticmethod
+    def _schedule_tokens(seq: SequenceState, slot_mapping: list[int], inputs: list[SequenceInput],
+                         sampled: list[SequenceState]) -> None:
+        """The step's input for a sequence granted slots for its next tokens (a chunk, or a decode)."""
+        start, num_tokens = seq.num_computed, len(slot_mapping)
+        tokens = seq.token_ids[start : start + num_tokens] or [LAST_SAMPLED]  # being sampled by the last step
+        sample = start + num_tokens == len(seq.token_ids) + seq.num_pending
+        inputs.append(SequenceInput(seq.seq_id, tokens, start, seq.block_table, slot_mapping,
+                                    seq.sampling if sample else None))
+        seq.num_computed = start + num_tokens  # from here on, as far as planning goes, it is computed
+        if sample:
+            seq.num_pending += 1
+            sampled.append(seq)
 
     def _take_released(self) -> list[int]:
         released, self.released = self.released, []
@@ -300,14 +337,17 @@ class Scheduler:
     def update(self, step: ScheduledStep, sampled: list[SampledToken]) -> list[StepOutput]:
         """Records the step's sampled tokens; finishes sequences that hit a stop condition. A sequence that
         finished (or was aborted) after the step was sent drops its token: it is never streamed."""
-        # Runs for every sequence every step, on the path that must fit in the executor's step time: plain
-        # loops, limits looked up once per request.
+        # Runs for every sequence every step, on the path that must fit in the executor's step time: one plain
+        # loop, limits looked up once per request.
         now = time.monotonic()
-        by_seq = {w.seq.seq_id: w.seq for w in step.work}
-        outputs: dict[int, StepOutput] = {}  # by id(request)
+        outputs: dict[Request, StepOutput] = {}
+        ended: list[Request] = []
         max_model_len = self.config.max_model_len
-        for token in sampled:
-            seq = by_seq[token.seq_id]
+        if len(sampled) != len(step.sampled):
+            raise RuntimeError(f"the executor sampled {len(sampled)} tokens for {len(step.sampled)} sequences")
+        for seq, token in zip(step.sampled, sampled, strict=True):  # the executor answers in the step's order
+            if token.seq_id != seq.seq_id:
+                raise RuntimeError(f"the executor answered for sequence {token.seq_id}, not {seq.seq_id}")
             seq.num_pending -= 1
             if seq.status is SeqStatus.FINISHED:
                 continue
@@ -318,21 +358,24 @@ class Scheduler:
             # () when none were asked for: the empty tuple is one object the collector never tracks
             top = tuple(zip(token.top_token_ids, token.top_logprobs, strict=True)) if token.top_token_ids else ()
             seq.top_logprobs.append(top)
-            if request.metrics.first_token is None:
-                request.metrics.first_token = now
+            metrics = request.metrics
+            if metrics.first_token is None:
+                metrics.first_token = now
             if seq.index == 0:
-                request.metrics.token_times.append(now)
+                metrics.token_times.append(now)
             if token_id in request.stop_ids:
                 self._finish(seq, FinishReason.STOP)
+                ended.append(request)
             elif len(seq.token_ids) >= request.max_len or len(seq.token_ids) >= max_model_len:
                 self._finish(seq, FinishReason.LENGTH)
-            output = outputs.get(id(request))
+                ended.append(request)
+            output = outputs.get(request)
             if output is None:
-                output = outputs[id(request)] = StepOutput(request, [])
+                output = outputs[request] = StepOutput(request, [])
             output.outputs.append(SequenceOutput(
                 seq.seq_id, seq.index, (token_id,), seq.finish_reason, (token.logprob,), (top,)))
-        for output in outputs.values():
-            self._forget_if_done(output.request)
+        for request in ended:
+            self._forget_if_done(request)
         return list(outputs.values())
 
     def finish(self, seq: SequenceState, reason: FinishReason) -> None:
@@ -379,14 +422,13 @@ class Scheduler:
         return children
 
     def _decode_token(self, seq: SequenceState) -> int | None:
-        """For a one-token step: what its Decode tells the block manager (the token, or NO_TOKEN), or None when
-        it cannot take the Decode fast path. A Decode tells at most one token: the input itself (serial steps),
-        or the previous one while the input is still being sampled (overlapped)."""
+        """For a one-token step: what its Decode tells the block manager (the oldest token it has not been told,
+        or NO_TOKEN), or None when it cannot take the Decode fast path. A Decode tells at most one token, and
+        leaves the sequence at most MAX_UNTOLD_SLOTS slots whose tokens are still being sampled (overlapped
+        steps: plans run two steps ahead of the tokens)."""
         known, computed = seq.num_known_to_manager, seq.num_computed
-        if known < computed - 1:
-            return None
         untold = seq.token_ids[known : computed + 1]
-        if len(untold) > 1:
+        if len(untold) > 1 or computed + 1 - known - len(untold) > MAX_UNTOLD_SLOTS:
             return None
         return untold[0] if untold else NO_TOKEN
 

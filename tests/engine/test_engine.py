@@ -184,11 +184,22 @@ def test_parallel_samples_of_a_one_token_prompt(make_engine: EngineFactory) -> N
     assert_no_leak(engine, manager)
 
 
+class LostAnswer:
+    """A block manager that dies while it answers (stands in for the process killed mid-call, which
+    tests/integration/test_faults.py does for real but cannot time to one call)."""
+
+    def result(self) -> None:
+        raise ConnectionError("the block manager is gone")
+
+
+@pytest.mark.parametrize("in_answer", [False, True], ids=["between-steps", "in-answer"])
 @pytest.mark.parametrize("after_steps", [1, 7, 15])
-def test_starting_over_after_a_lost_sidecar_keeps_every_output(make_engine: EngineFactory, after_steps: int) -> None:
+def test_starting_over_after_a_lost_sidecar_keeps_every_output(make_engine: EngineFactory, after_steps: int,
+                                                               in_answer: bool) -> None:
     """What the frontend does when a sidecar is lost, in process: the steps in flight are void, every
     sequence is recomputed from the tokens it has, both sidecars start empty; outputs (greedy and seeded
-    samples, n > 1) are as without the loss, and no token is delivered twice."""
+    samples, n > 1) are as without the loss, and no token is delivered twice or lost, also when the block
+    manager is lost while the engine collects a step (its tokens are recorded, then the answer fails)."""
     params = [GREEDY, GenerationParams(max_tokens=20, temperature=0.8, seed=3, n=2, ignore_eos=True)]
     reference, _ = run(make_engine()[0], PROMPTS, params[0])
     sampled_reference, _ = run(make_engine()[0], PROMPTS[:2], params[1])
@@ -198,6 +209,15 @@ def test_starting_over_after_a_lost_sidecar_keeps_every_output(make_engine: Engi
     delivered: dict[int, list[int]] = {}
     for _ in range(after_steps):
         for output in engine.step():
+            for o in output.outputs:
+                delivered.setdefault(o.seq_id, []).extend(o.new_token_ids)
+    if in_answer:
+        send = engine.scheduler.block_manager.send
+        engine.scheduler.block_manager.send = lambda ops: (send(ops), LostAnswer())[1]  # type: ignore[method-assign]
+        with pytest.raises(ConnectionError):
+            engine.step()
+        engine.scheduler.block_manager.send = send  # type: ignore[method-assign]
+        for output in engine.take_undelivered():
             for o in output.outputs:
                 delivered.setdefault(o.seq_id, []).extend(o.new_token_ids)
     engine.drain()  # the lost steps' tokens are never seen

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from step_drawing import VOCAB, sealed_message
 from step_following import run_step
 
-from pagedserve.services.block_manager.manager import NO_TOKEN, BlockCopy, BlockManager
+from pagedserve.services.block_manager.manager import MAX_UNTOLD_SLOTS, NO_TOKEN, BlockCopy, BlockManager
 from pagedserve.services.block_manager.step import (
     AdmitOp,
     CommitOp,
@@ -242,13 +242,14 @@ def test_step_swap_out_after_a_swap_in() -> None:
 
 @settings(max_examples=80, deadline=None)
 @given(block_size=st.integers(2, 4), prompts=st.lists(st.lists(VOCAB, min_size=1, max_size=9), min_size=1, max_size=3),
-       fork=st.booleans(), num_steps=st.integers(1, 12), data=st.data())
-def test_decodes_told_one_step_late_end_where_decodes_told_at_once_end(
-    block_size: int, prompts: list[list[int]], fork: bool, num_steps: int, data: st.DataObject
+       fork=st.booleans(), num_steps=st.integers(1, 12), lag=st.integers(1, MAX_UNTOLD_SLOTS), data=st.data())
+def test_decodes_told_late_end_where_decodes_told_at_once_end(
+    block_size: int, prompts: list[list[int]], fork: bool, num_steps: int, lag: int, data: st.DataObject
 ) -> None:
-    """Overlapped steps tell each sampled token one decode late (NO_TOKEN first): the slots, copies and table
-    changes are those of decodes that know each token at once, and once the last token is told both managers
-    are in the same state: tokens, tables, block keys, prefix cache, statistics. A second NO_TOKEN is refused."""
+    """Overlapped steps tell each sampled token one or two decodes late (NO_TOKEN first): the slots, copies and
+    table changes are those of decodes that know each token at once, and once the last tokens are told both
+    managers are in the same state: tokens, tables, block keys, prefix cache, statistics. A NO_TOKEN beyond
+    MAX_UNTOLD_SLOTS untold slots is refused."""
     serial, late = BlockManager(64, block_size), BlockManager(64, block_size)
     namespace = namespaces(block_size)[0]
     seq_ids = list(range(1, len(prompts) + 1))
@@ -258,18 +259,19 @@ def test_decodes_told_one_step_late_end_where_decodes_told_at_once_end(
         if fork:
             manager.fork(1, 99)
     seq_ids += [99] if fork else []
-    told: list[int] = [NO_TOKEN] * len(seq_ids)
+    untold: list[list[int]] = [[NO_TOKEN] * len(seq_ids)] * lag  # the tokens of the steps in flight, oldest first
     for step in range(num_steps):
         tokens = data.draw(st.lists(VOCAB, min_size=len(seq_ids), max_size=len(seq_ids)), label=f"step {step}")
-        at_once, one_late = serial.decode(seq_ids, tokens), late.decode(seq_ids, told)
-        assert at_once == one_late
+        at_once, late_ones = serial.decode(seq_ids, tokens), late.decode(seq_ids, untold[0])
+        assert at_once == late_ones
         serial.check_integrity()
         late.check_integrity()
-        told = tokens
-    with pytest.raises(InvalidStep, match="not told yet"):
-        apply_step(late, [DecodeOp(seq_ids[:1], [NO_TOKEN])])
-    for seq_id, token in zip(seq_ids, told, strict=True):  # the last tokens arrive; both commit what they hold
-        late.reserve(seq_id, 0, [token])
+        untold = [*untold[1:], tokens]
+    if min(num_steps, lag) == MAX_UNTOLD_SLOTS:  # it holds as many untold slots as it may
+        with pytest.raises(InvalidStep, match="not told yet"):
+            apply_step(late, [DecodeOp(seq_ids[:1], [NO_TOKEN])])
+    for i, seq_id in enumerate(seq_ids):  # the last tokens arrive; both commit what they hold
+        late.reserve(seq_id, 0, [tokens[i] for tokens in untold if tokens[i] != NO_TOKEN])
         for manager in (serial, late):
             manager.commit(seq_id, manager.seqs[seq_id].num_slots)
     assert stateful_snapshot(serial) == stateful_snapshot(late)
