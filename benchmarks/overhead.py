@@ -83,7 +83,7 @@ def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: boo
                 stub = pb_grpc.InferenceStub(channel)
                 request = pb.GenerateRequest(text=PROMPT, params=pb.GenerationParameters(
                     max_tokens=tokens, ignore_eos=True))
-                with CpuSampler([service.proc.pid for service in services]) as cpu:
+                with CpuSampler([*(service.proc.pid for service in services), stand_in.pid]) as cpu:
                     futures = [stub.Complete.future(request, timeout=600) for _ in range(num_seqs)]
                     texts = {f.result().choices[0].text for f in futures}
         finally:
@@ -97,11 +97,12 @@ def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: boo
         raise RuntimeError(f"only {len(full)} steps ran all {num_seqs} sequences: raise --tokens")
     busy = sum(end - start for start, end in full)
     wall = full[-1][1] - full[0][0]
-    block_manager_cpu, frontend_cpu = cpu.between(full[0][0], full[-1][1])
+    block_manager_cpu, frontend_cpu, executor_cpu = cpu.between(full[0][0], full[-1][1])
     return {"overhead_frac": round(1 - busy / wall, 4), "steps": len(full), "texts": sorted(texts),
             "gap_ms_mean": round((wall - busy) / (len(full) - 1) * 1000, 3),
             "frontend_cpu_ms_per_step": round(frontend_cpu / (len(full) - 1) * 1000, 3),
-            "block_manager_cpu_ms_per_step": round(block_manager_cpu / (len(full) - 1) * 1000, 3)}
+            "block_manager_cpu_ms_per_step": round(block_manager_cpu / (len(full) - 1) * 1000, 3),
+            "executor_cpu_ms_per_step": round(executor_cpu / (len(full) - 1) * 1000, 3)}
 
 
 class CpuSampler:
@@ -157,6 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result[f"{prefix}steps_{name}"] = run_["steps"]
                 result[f"{prefix}frontend_cpu_ms_per_step_{name}"] = run_["frontend_cpu_ms_per_step"]
                 result[f"{prefix}block_manager_cpu_ms_per_step_{name}"] = run_["block_manager_cpu_ms_per_step"]
+                result[f"{prefix}executor_cpu_ms_per_step_{name}"] = run_["executor_cpu_ms_per_step"]
                 texts.update(run_["texts"])
     # the stand-in's token depends only on its position, a real model's greedy one on the (one) prompt: every
     # request of every run must read the same

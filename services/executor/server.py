@@ -43,7 +43,7 @@ def step_from_proto(r: pb.ExecuteRequest) -> StepInput:
     for name in ("temperature", "top_k", "top_p", "seed", "num_top_logprobs"):
         if len(getattr(r, name)) != num_sampled:
             raise InvalidRequest(f"{name}: {len(getattr(r, name))} entries for {num_sampled} sequences that sample")
-    params = iter([SamplingParams(temperature=t, top_k=k, top_p=p if p > 0 else 1.0, seed=seed, num_top_logprobs=n)
+    params = iter([SamplingParams(t, k, p if p > 0 else 1.0, seed, n)
                    for t, k, p, seed, n in zip(r.temperature, r.top_k, r.top_p, r.seed, r.num_top_logprobs,
                                                strict=True)])
     tokens, slots, tables = list(r.token_ids), list(r.slot_mapping), list(r.block_tables)

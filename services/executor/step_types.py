@@ -16,8 +16,7 @@ MAX_TOP_LOGPROBS = 20
 LAST_SAMPLED = -1  # a decode's input token: the one the executor sampled for this sequence in the previous step
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(NamedTuple):  # a tuple: the executor builds one per sampled sequence every step
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
