@@ -285,7 +285,12 @@ async def chat_completions(request: Request) -> Response:
 
 def build_app(serving: Serving, max_body_bytes: int) -> Any:
     """The ASGI app: /v1 routes and /health over `serving`, bodies limited to `max_body_bytes`."""
-    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
+    # FastAPI's own OpenTelemetry: a server span per request through the process's tracer provider (tracing.py),
+    # continuing the caller's traceparent. Without its per-operation spans, that server span is the current one
+    # in the handler and while a stream's body is sent, so the generation's attributes and the engine steps'
+    # links land on it; never an exporter of its own (the environment's OTLP endpoint is tracing.py's).
+    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry={"operation_spans": False, "auto_configure": False})
     app.state.serving, app.state.created = serving, int(time.time())
     app.include_router(v1)
 

@@ -6,7 +6,9 @@ own exporters, batching and wire format are what is tested.
 
 from __future__ import annotations
 
+import json
 import threading
+import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from polling import wait_for
+from polling import free_port, wait_for
 from stack_testing import PROMPTS, Pod
 
 from pagedserve.protos import inference_pb2 as pb
@@ -91,5 +93,43 @@ def test_a_request_is_traced_across_the_three_processes(
                 assert span.parent_span_id in clients, f"{call} in {service} is not a child of a frontend call"
                 parent = clients[span.parent_span_id]
                 assert any(parent.parent_span_id == s.span_id for s in steps)
+    finally:
+        assert pod.stop() is not None and pod.proc.returncode == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_an_http_request_is_traced_and_its_steps_link_to_it(
+    tiny_chat_model_dir: Path, receiver: tuple[Receiver, str], stream: bool
+) -> None:
+    """The OpenAI-compatible API continues the caller's trace (traceparent header) in FastAPI's server span,
+    which carries the request's usage (a stream's too: its body is sent inside that span) and which the
+    steps link to."""
+    spans, endpoint = receiver
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
+           "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    http_port = free_port()
+    pod = Pod(tiny_chat_model_dir, "--num-blocks", "64", "--http-port", str(http_port), env=env)
+    try:
+        body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": stream}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/v1/completions", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            payload = response.read().decode()
+        first = json.loads(payload.split("data: ", 1)[1].split("\n", 1)[0] if stream else payload)
+        request_id = first["id"].removeprefix("cmpl-")
+
+        (served,) = wait_for(lambda: spans.find("pagedserve-frontend", "POST /v1/completions"), "the HTTP span")
+        assert served.trace_id.hex() == TRACE_ID and served.parent_span_id.hex() == PARENT_ID
+        assert served.kind == 2  # SERVER
+        attributes = {a.key: a.value for a in served.attributes}
+        assert attributes["pagedserve.request_id"].string_value == request_id
+        assert attributes["gen_ai.usage.output_tokens"].int_value == 4
+        assert attributes["http.route"].string_value == "/v1/completions"
+        assert attributes["http.response.status_code"].int_value == 200
+        assert [e.name for e in served.events] == (["first_token"] if stream else [])
+        steps = wait_for(lambda: [s for s in spans.find("pagedserve-frontend", "engine.step")
+                                  if any(link.span_id == served.span_id for link in s.links)], "linked steps")
+        assert len(steps) >= 4  # the prefill and three decodes at least
     finally:
         assert pod.stop() is not None and pod.proc.returncode == 0
