@@ -6,7 +6,8 @@ handlers only apply them. The pod runs three containers that talk over unix sock
 
     executor       loads the weights, owns the KV tensors; the only container with `nvidia.com/gpu`
     block-manager  the KV bookkeeping sidecar; takes the cache geometry from the executor's Info
-    frontend       public gRPC API (:50051) and Prometheus /metrics with /readyz and /healthz (:9400)
+    frontend       public gRPC API (:50051), the OpenAI-compatible HTTP API (:8000), and Prometheus /metrics
+                   with /readyz and /healthz (:9400)
 
 Every container runs as a non-root user on a read-only root filesystem; scratch space is an emptyDir.
 """
@@ -19,7 +20,7 @@ from typing import Any
 API_GROUP = "pagedserve.io"
 API_VERSION = "v1alpha1"
 FIELD_MANAGER = "pagedserve-operator"
-GRPC_PORT, METRICS_PORT = 50051, 9400
+GRPC_PORT, HTTP_PORT, METRICS_PORT = 50051, 8000, 9400
 RUN_DIR, SCRATCH_DIR = "/run/pagedserve", "/scratch"  # sockets; HOME and TMPDIR (the root fs is read-only)
 EXECUTOR_SOCKET = f"unix:{RUN_DIR}/executor.sock"
 BLOCK_MANAGER_SOCKET = f"unix:{RUN_DIR}/block-manager.sock"
@@ -59,6 +60,7 @@ def build_service(name: str, namespace: str, uid: str) -> Manifest:
         "apiVersion": "v1", "kind": "Service", "metadata": _metadata(name, namespace, uid),
         "spec": {"type": "ClusterIP", "selector": selector(name), "ports": [
             {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
+            {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
             {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
         ]},
     }
@@ -181,7 +183,8 @@ def _block_manager(spec: Mapping[str, Any], mounts: list[Manifest]) -> Manifest:
 
 def _frontend(spec: Mapping[str, Any], mounts: list[Manifest], grpc_probes: bool) -> Manifest:
     scheduler, slo = spec.get("scheduler", {}), spec.get("slo", {})
-    args = ["frontend", "--listen", f"0.0.0.0:{GRPC_PORT}", "--metrics-listen", f"0.0.0.0:{METRICS_PORT}",
+    args = ["frontend", "--listen", f"0.0.0.0:{GRPC_PORT}", "--http-listen", f"0.0.0.0:{HTTP_PORT}",
+            "--metrics-listen", f"0.0.0.0:{METRICS_PORT}",
             "--executor", EXECUTOR_SOCKET, "--block-manager", BLOCK_MANAGER_SOCKET,
             "--sidecar-timeout", str(MODEL_LOAD_TIMEOUT_S), "--model", spec["model"],
             "--max-num-seqs", str(scheduler.get("maxNumSeqs", 64)),
@@ -197,6 +200,7 @@ def _frontend(spec: Mapping[str, Any], mounts: list[Manifest], grpc_probes: bool
     return {
         **_container("frontend", args, spec, mounts, resources),
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+                  {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         # ready once the engine runs over both sidecars; alive while its engine thread is
         "startupProbe": {"httpGet": {**http, "path": "/healthz"}, "periodSeconds": 2,

@@ -78,6 +78,7 @@ def test_container_arguments_are_what_each_service_accepts() -> None:
     assert (frontend.max_num_seqs, frontend.preemption_mode, frontend.ttft_slo_ms, frontend.tpot_slo_ms) == (
         8, "swap", 500, 50)
     assert frontend.listen == "0.0.0.0:50051" and frontend.metrics_listen == "0.0.0.0:9400"
+    assert frontend.http_listen == "0.0.0.0:8000"  # the OpenAI-compatible API
 
 
 def test_the_pod_shares_one_socket_directory_and_mounts_the_weights_read_only() -> None:
@@ -120,7 +121,8 @@ def test_probes_check_each_container_where_it_listens() -> None:
     assert frontend["livenessProbe"]["httpGet"]["path"] == "/healthz"  # the engine thread: not in gRPC health
     assert all("exec" in c["readinessProbe"] for c in grpc if c["name"] != "frontend")  # unix sockets
     service = build_service("llm", "ns", "uid-1")
-    assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports.keys()
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == ports.keys() == {"grpc", "http", "metrics"}
+    assert ports["http"] == int(parsed(pods["frontend"]).http_listen.rsplit(":", 1)[1])  # listens where exposed
 
 
 def test_a_spec_change_changes_the_pod_template_and_replicas_do_not() -> None:
