@@ -173,6 +173,7 @@ def test_helm_install_serves_upgrade_changes_it_and_uninstall_leaves_nothing(
     install = helm("install", "rel", str(CHART), "--namespace", namespace, "--create-namespace", "--wait",
                    "--timeout", "4m", "-f", values_file(tmp_path, values), timeout=300)
     assert "pagedserve generate --address 127.0.0.1:50051" in install.stdout  # NOTES.txt
+    assert "127.0.0.1:8000/v1/completions" in install.stdout
 
     def get(kind: str, name: str = "") -> Any:
         out = cluster.kubectl("-n", namespace, "get", kind, *([name] if name else []), "-o", "json", check=False)
