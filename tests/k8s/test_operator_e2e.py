@@ -226,11 +226,13 @@ def test_a_paged_model_creates_its_deployment_and_service_and_serves(scenario: S
             text="The capital of France is", params=pb.GenerationParameters(max_tokens=8, ignore_eos=True)),
             timeout=60)
     assert reply.usage.completion_tokens == 8 and reply.choices[0].text
-    body = json.dumps({"model": "/models/tiny", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
-                       "ignore_eos": True}).encode()
-    http = urllib.request.Request(f"http://{pod['status']['podIP']}:8000/v1/completions", data=body,
-                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(http, timeout=60) as response:  # the OpenAI-compatible port, as exposed
+    openai_api = f"http://{pod['status']['podIP']}:8000/v1"  # the OpenAI-compatible port, as exposed
+    with urllib.request.urlopen(f"{openai_api}/models", timeout=60) as response:
+        (served,) = json.load(response)["data"]
+    body = json.dumps({"model": served["id"], "prompt": "The capital of France is", "max_tokens": 8,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    http = urllib.request.Request(f"{openai_api}/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(http, timeout=60) as response:
         completion = json.load(response)
     assert completion["choices"][0]["text"] == reply.choices[0].text  # the same greedy text as over gRPC
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9400}
