@@ -1,4 +1,5 @@
-"""Hypothesis fuzzing of every RPC of the three services, over real gRPC against real processes: arbitrary and
+"""Hypothesis fuzzing of every RPC of the three services, over real gRPC against real processes, and of the
+OpenAI-compatible HTTP API (any JSON, plausible requests, raw bytes: never a 500): arbitrary and
 adversarial messages (wrong and unknown ids, huge counts, huge repeated fields, out-of-range blocks, ops out
 of order, empty messages, random bytes). Every answer is a status code a client can act on (OK,
 INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE where the contract says so), never UNKNOWN or INTERNAL (an
@@ -9,7 +10,9 @@ The messages come from fuzz_strategies.py."""
 from __future__ import annotations
 
 import functools
+import http.client
 import itertools
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +39,7 @@ from fuzz_strategies import (
     raw_payload,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from polling import free_port, wait_for
 
@@ -85,8 +88,10 @@ class Stack:
                                         f"unix:{run_dir}/executor.sock")
             self.block_manager = self._start(["block-manager", "--geometry-from", self.executor.address,
                                               "--check-integrity"], f"unix:{run_dir}/block-manager.sock")
+            self.http_port = free_port()
             self.frontend = self._start(["frontend", "--executor", self.executor.address, "--block-manager",
-                                         self.block_manager.address, "--model", str(model)],
+                                         self.block_manager.address, "--model", str(model),
+                                         "--http-listen", f"127.0.0.1:{self.http_port}"],
                                         f"127.0.0.1:{free_port()}")
         except BaseException:
             for service in self.services:
@@ -286,6 +291,79 @@ def test_frontend_tokenize_list_models_status(stack: Stack, request: pb.Tokenize
     assert response is None or all(0 <= t < CHAT_VOCAB for t in response.token_ids)
     assert answer(lambda: stack.stub.ListModels(pb.ListModelsRequest(), timeout=10), {OK}).models
     assert answer(lambda: stack.stub.Status(pb.StatusRequest(), timeout=10), {OK}).num_total_blocks == STACK_BLOCKS
+    stack.assert_up_and_idle()
+
+
+# ---- the OpenAI-compatible HTTP API ----------------------------------------------------------------------------------
+
+JSON_SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
+                | st.text(max_size=20))
+JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4)
+                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8)
+SMALL = st.integers(-3, 12) | st.sampled_from([0, 2**31, 2**63, -(2**63)])
+HTTP_FIELDS = {  # each field: plausible values, edge values, and any JSON at all
+    "prompt": TEXTS | st.lists(st.integers(-2, CHAT_VOCAB + 2), max_size=8)
+    | st.lists(TEXTS, max_size=3) | st.lists(st.lists(st.integers(0, CHAT_VOCAB - 1), max_size=4), max_size=2),
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", ""]),
+                                                "content": TEXTS | st.none() | JSON_VALUES}), max_size=3),
+    "max_tokens": SMALL, "max_completion_tokens": SMALL, "n": SMALL, "logprobs": SMALL | st.booleans(),
+    "top_logprobs": SMALL, "temperature": st.floats(-1, 3) | st.just(1e308), "top_p": st.floats(-0.5, 1.5),
+    "top_k": SMALL, "seed": SMALL, "stop": TEXTS | st.lists(TEXTS, max_size=5), "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "ignore_eos": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(-2, CHAT_VOCAB + 2), max_size=3), "best_of": SMALL, "echo": st.booleans(),
+    "model": st.sampled_from(["", "nope"]) | TEXTS, "presence_penalty": st.floats(-2, 2),
+}
+PLAUSIBLE = {  # values a client means: the requests run (and stream, sample, stop, return logprobs) often
+    "prompt": TEXTS | st.lists(st.integers(0, CHAT_VOCAB - 1), min_size=1, max_size=8),
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                                "content": TEXTS}), min_size=1, max_size=3),
+    "max_tokens": st.integers(1, 8), "n": st.integers(1, 3), "logprobs": st.integers(0, 3),
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.1, 1), "top_k": st.integers(0, 50),
+    "seed": st.integers(0, 2**31), "stop": TEXTS | st.lists(TEXTS, max_size=2), "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "ignore_eos": st.booleans(),
+}
+
+
+def http_bodies(required: str) -> st.SearchStrategy[dict[str, Any]]:
+    """Mostly a plausible request with its required field; else any mix of fields and values."""
+    plausible = st.fixed_dictionaries({required: PLAUSIBLE[required]}, optional={
+        k: v for k, v in PLAUSIBLE.items() if k not in ("prompt", "messages")})
+    wild = st.fixed_dictionaries({}, optional={k: v | JSON_VALUES for k, v in HTTP_FIELDS.items()})
+    return st.integers(0, 3).flatmap(lambda i: wild if i == 3 else plausible)
+
+
+def http_call(port: int, path: str, body: bytes) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+@fuzz(100)
+@given(call=st.sampled_from([("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")]).flatmap(
+    lambda c: st.tuples(st.just(c[0]), http_bodies(c[1]).map(lambda b: json.dumps(b).encode())
+                        | st.binary(max_size=64))))
+@example(call=("/v1/completions", b'{"prompt": "Hi", "max_tokens": 3, "stream": true, "n": 2, "logprobs": 2}'))
+@example(call=("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}'))
+@example(call=("/v1/completions", b'{"prompt": "Hi", "temperature": NaN}'))
+def test_http_api(stack: Stack, call: tuple[str, bytes]) -> None:
+    """Any body gets a status a client can act on, never 500, with OpenAI's error object; a stream that starts
+    ends with [DONE]; the pod stays up and holds nothing afterwards."""
+    path, body = call
+    status, payload = http_call(stack.http_port, path, body)
+    event(f"HTTP {status}")
+    assert status in (200, 400, 404, 413, 429), (status, payload[:400])
+    if status != 200:
+        error = json.loads(payload)["error"]
+        assert isinstance(error["message"], str) and error["message"] and error["type"], error
+    elif payload.startswith(b"data: "):  # a stream: events, an error event at worst, then the end
+        assert payload.endswith(b"data: [DONE]\n\n"), payload[-200:]
+        assert b'"server_error"' not in payload, payload[:400]
+    else:
+        assert json.loads(payload)["choices"], payload[:400]
     stack.assert_up_and_idle()
 
 
