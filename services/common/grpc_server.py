@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import inspect
 import logging
 import os
 import signal
@@ -129,7 +130,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
                     await _abort(context, exc, method)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, handler.response_serializer)
-    if handler.unary_stream is not None:
+    if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
         inner_stream = handler.unary_stream
 
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -143,6 +144,19 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
                     await _abort(context, exc, method)
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, handler.response_serializer)
+    if handler.unary_stream is not None:  # a stream written with context.write (health's Watch): awaited
+        inner_writer = handler.unary_stream
+
+        async def unary_stream_writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+            with _server_span(method, context):
+                try:
+                    await inner_writer(_parsed(request), context)
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:
+                    await _abort(context, exc, method)
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream_writer, deserializer, handler.response_serializer)
     return handler
 
 

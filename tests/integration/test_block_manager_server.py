@@ -168,6 +168,18 @@ def test_health_and_reflection(server: ServiceProcess) -> None:
         assert "pagedserve.block_manager.v1.BlockManager" in names and "grpc.health.v1.Health" in names
 
 
+def test_health_watch_follows_the_service_until_it_stops() -> None:
+    """The standard streaming Watch (what a load balancer or a client library uses): SERVING, then NOT_SERVING
+    when the service stops. Our error-mapping wrapper once answered it INTERNAL (it wrote with context.write)."""
+    with running_service(["block-manager", "--num-blocks", "4"]) as service:
+        with grpc.insecure_channel(service.address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            service.proc.send_signal(signal.SIGTERM)
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert service.proc.wait(timeout=15) == 0
+
+
 def test_sigterm_stops_gracefully() -> None:
     with running_service(["block-manager", "--num-blocks", "4"]) as service:
         service.proc.send_signal(signal.SIGTERM)
