@@ -69,6 +69,7 @@ class ExecuteRequest(_message.Message):
     NUM_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     RELEASED_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    TABLE_HELD_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Overlapped steps are numbered 1, 2, ... by the frontend, which sends step N+1 before step N has
     answered; a step that uses last-sampled tokens runs only after step_id - 1 (0: unnumbered).
@@ -148,6 +149,14 @@ class ExecuteRequest(_message.Message):
         region of its own (virtual) releases their memory before the step; the paged layout ignores them.
         """
 
+    @_builtins.property
+    def table_held(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Empty, or one entry per sequence: true when this executor holds the sequence's block table from an
+        earlier step (its block_table_lens entry is 0 and it has no block_tables entries); false when the
+        table follows, replacing any held. A table is held from a successful step until the sequence is in
+        released_seq_ids or a Reset: a decoding sequence's table changes about once per block_size steps.
+        """
+
     def __init__(
         self,
         *,
@@ -170,10 +179,11 @@ class ExecuteRequest(_message.Message):
         num_top_logprobs: _abc.Iterable[_builtins.int] | None = ...,
         epoch: _builtins.int = ...,
         released_seq_ids: _abc.Iterable[_builtins.int] | None = ...,
+        table_held: _abc.Iterable[_builtins.bool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table_lens", b"block_table_lens", "block_tables", b"block_tables", "copies", b"copies", "epoch", b"epoch", "num_tokens", b"num_tokens", "num_top_logprobs", b"num_top_logprobs", "released_seq_ids", b"released_seq_ids", "sample", b"sample", "seed", b"seed", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "start_positions", b"start_positions", "step_id", b"step_id", "swap_in", b"swap_in", "swap_out", b"swap_out", "temperature", b"temperature", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table_lens", b"block_table_lens", "block_tables", b"block_tables", "copies", b"copies", "epoch", b"epoch", "num_tokens", b"num_tokens", "num_top_logprobs", b"num_top_logprobs", "released_seq_ids", b"released_seq_ids", "sample", b"sample", "seed", b"seed", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "start_positions", b"start_positions", "step_id", b"step_id", "swap_in", b"swap_in", "swap_out", b"swap_out", "table_held", b"table_held", "temperature", b"temperature", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -8,12 +8,18 @@ from ...protos import executor_pb2 as pb
 from ...protos import executor_pb2_grpc as pb_grpc
 from ..common.grpc_server import CHANNEL_OPTIONS
 from ..common.tracing import traced_channel
-from .step_types import ExecutorInfo, SampledToken, StepInput
+from .step_types import ExecutorInfo, HeldTables, SampledToken, StepInput
 
 
-def step_to_proto(step: StepInput, epoch: int = 0) -> pb.ExecuteRequest:
+def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = None) -> pb.ExecuteRequest:
+    """`held`: the tables the executor holds; only the others are sent (and recorded as held from now on)."""
     seqs = step.sequences
     sampled = [s.sampling for s in seqs if s.sampling is not None]
+    table_held = [held.held(s) for s in seqs] if held is not None else []
+    if held is not None:
+        held.release(step.released_seq_ids)
+    tables = [s.block_table for s, h in zip(seqs, table_held, strict=True) if not h] if table_held else [
+        s.block_table for s in seqs]
     return pb.ExecuteRequest(
         swap_out=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_out],
         swap_in=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_in],
@@ -22,11 +28,12 @@ def step_to_proto(step: StepInput, epoch: int = 0) -> pb.ExecuteRequest:
         seq_ids=[s.seq_id for s in seqs],
         num_tokens=[len(s.token_ids) for s in seqs],
         start_positions=[s.start_position for s in seqs],
-        block_table_lens=[len(s.block_table) for s in seqs],
+        block_table_lens=[0 if h else len(s.block_table) for s, h in zip(seqs, table_held, strict=True)]
+        if table_held else [len(s.block_table) for s in seqs],
         sample=[s.sampling is not None for s in seqs],
         token_ids=[t for s in seqs for t in s.token_ids],
         slot_mapping=[slot for s in seqs for slot in s.slot_mapping],
-        block_tables=[b for s in seqs for b in s.block_table],
+        block_tables=[b for table in tables for b in table],
         temperature=[p.temperature for p in sampled],
         top_k=[p.top_k for p in sampled],
         top_p=[p.top_p for p in sampled],
@@ -34,6 +41,7 @@ def step_to_proto(step: StepInput, epoch: int = 0) -> pb.ExecuteRequest:
         num_top_logprobs=[p.num_top_logprobs for p in sampled],
         epoch=epoch,
         released_seq_ids=step.released_seq_ids,
+        table_held=table_held,
     )
 
 
@@ -64,10 +72,11 @@ class RemoteExecutor:
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self.timeout = timeout
         self.epoch = 0
+        self.held = HeldTables()  # what the executor holds, as far as the steps sent tell
 
     def submit(self, step: StepInput) -> RunningStep:
         """Sends the step and returns at once: overlapped steps queue behind the one running."""
-        return RunningStep(self.stub.Execute.future(step_to_proto(step, self.epoch), timeout=self.timeout))
+        return RunningStep(self.stub.Execute.future(step_to_proto(step, self.epoch, self.held), timeout=self.timeout))
 
     def info(self) -> ExecutorInfo:
         return _info(self.stub.Info(pb.InfoRequest(), timeout=self.timeout))
@@ -76,6 +85,7 @@ class RemoteExecutor:
         """A new epoch: the executor drops every step sent before (see the proto)."""
         info = _info(self.stub.Reset(pb.ResetRequest(epoch=epoch), timeout=self.timeout))
         self.epoch = epoch
+        self.held.clear()  # a reset executor holds no table
         return info
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from .engine_config import build_runner
 from .options import ExecutorConfig, add_executor_arguments
 from .runner import ModelRunner
-from .step_types import LAST_SAMPLED, SampledToken, SamplingParams, SequenceInput, StepInput
+from .step_types import LAST_SAMPLED, HeldTables, SampledToken, SamplingParams, SequenceInput, StepInput
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 
@@ -34,6 +34,13 @@ def step_from_proto(r: pb.ExecuteRequest) -> StepInput:
         if len(getattr(r, name)) != num_seqs:
             raise InvalidRequest(f"{name}: {len(getattr(r, name))} entries for {num_seqs} sequences")
     num_tokens, table_lens = list(r.num_tokens), list(r.block_table_lens)
+    if r.table_held:
+        if len(r.table_held) != num_seqs:
+            raise InvalidRequest(f"table_held: {len(r.table_held)} entries for {num_seqs} sequences (or none)")
+        bad = next((i for i, (held, n) in enumerate(zip(r.table_held, table_lens, strict=True)) if held and n), None)
+        if bad is not None:
+            raise InvalidRequest(f"block_table_lens[{bad}]: {table_lens[bad]} blocks for a table the executor holds"
+                                 " (table_held): must be 0")
     for name, wanted in (("token_ids", sum(num_tokens)), ("slot_mapping", sum(num_tokens)),
                          ("block_tables", sum(table_lens))):
         if len(getattr(r, name)) != wanted:
@@ -83,6 +90,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.num_outstanding = 0  # steps handed to the step thread, not ended
         self.order = asyncio.Condition()
         self.epoch = 0
+        self.tables = HeldTables()  # the block tables of the sequences running here (table_held)
 
     async def load(self) -> None:
         """Loads the model and runs the warm-up step on the step thread, off the event loop."""
@@ -103,7 +111,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             # steps in the order they are queued) before step N, while step N may still come
             async with self.order:
                 await self.order.wait_for(lambda: self.last_queued >= step.step_id - 1 or not self.num_outstanding)
-        running = asyncio.get_running_loop().run_in_executor(self.thread, self._run_step, runner, step, request.epoch)
+        running = asyncio.get_running_loop().run_in_executor(self.thread, self._run_step, runner, step,
+                                                             list(request.table_held), request.epoch)
         self.num_outstanding += 1
         async with self.order:
             self.last_queued = step.step_id or self.last_queued
@@ -116,11 +125,19 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 self.order.notify_all()
         return tokens_to_proto(tokens)
 
-    def _run_step(self, runner: ModelRunner, step: StepInput, epoch: int) -> list[SampledToken]:
-        """On the step thread: a step queued before a Reset is void."""
+    def _run_step(self, runner: ModelRunner, step: StepInput, held: list[bool], epoch: int) -> list[SampledToken]:
+        """On the step thread, in step order: a step queued before a Reset is void; held tables are those of
+        the steps run before it."""
         if epoch != self.epoch:
             raise NotReady(f"epoch: the step is of epoch {epoch}, the executor moved on to {self.epoch}")
-        return runner.execute(step)
+        step = self.tables.resolve(step, held)
+        tokens = runner.execute(step)
+        self.tables.commit(step)
+        return tokens
+
+    def _reset(self, runner: ModelRunner) -> None:
+        runner.reset()
+        self.tables.clear()
 
     async def Reset(self, request: pb.ResetRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         runner = self.runner
@@ -128,7 +145,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             raise NotReady("the model is still loading")
         self.epoch = request.epoch
         # the step thread runs in order: once this has run, every step queued before has run or been skipped
-        await asyncio.get_running_loop().run_in_executor(self.thread, runner.reset)
+        await asyncio.get_running_loop().run_in_executor(self.thread, self._reset, runner)
         self.last_queued = 0
         return await self.Info(pb.InfoRequest(), context)
 

@@ -7,7 +7,7 @@ never load torch (only the executor's does). executor.proto carries the same fie
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from ..common.errors import InvalidRequest
@@ -43,7 +43,7 @@ class SequenceInput(NamedTuple):  # a tuple: hundreds are built every step
     seq_id: int
     token_ids: Sequence[int]  # tokens whose KV is computed this step ([LAST_SAMPLED]: not known to the sender)
     start_position: int  # position of token_ids[0]
-    block_table: Sequence[int]  # covers positions [0, start_position + len(token_ids))
+    block_table: Sequence[int]  # covers positions [0, start_position + len(token_ids)); see HeldTables
     slot_mapping: Sequence[int]  # one cache slot per token
     sampling: SamplingParams | None = None  # None: no next token wanted (a non-final prefill chunk)
 
@@ -89,6 +89,51 @@ class LastSampled:
 
     def record(self, sampled: Iterable[SampledToken]) -> None:
         self.tokens = {t.seq_id: t.token_id for t in sampled}
+
+
+class HeldTables:
+    """The block tables a remote executor holds, so that a step names only the tables that changed (the
+    `table_held` field of ExecuteRequest). The frontend's side (`sent`) and the executor's (`resolve`, then
+    `commit` once the step has run) follow the same rules: a table is held from a step that ran until its
+    sequence is released or the executor resets."""
+
+    def __init__(self) -> None:
+        self.tables: dict[int, Sequence[int]] = {}
+
+    def clear(self) -> None:
+        self.tables = {}
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        for seq_id in seq_ids:
+            self.tables.pop(seq_id, None)
+
+    def held(self, seq: SequenceInput) -> bool:
+        """The sender's side: whether the executor holds this very table (tables are replaced, never changed
+        in place, so the same object means the same table), recording it as held from now on if not."""
+        if self.tables.get(seq.seq_id) is seq.block_table:
+            return True
+        self.tables[seq.seq_id] = seq.block_table
+        return False
+
+    def resolve(self, step: StepInput, held: Sequence[bool]) -> StepInput:
+        """The executor's side: the step with every held table filled in (InvalidRequest if one is not held).
+        Changes nothing: `commit` records the step's new tables once it has run."""
+        if not any(held):
+            return step
+        sequences = list(step.sequences)
+        for i, (seq, is_held) in enumerate(zip(sequences, held, strict=True)):
+            if is_held:
+                table = self.tables.get(seq.seq_id)
+                if table is None:
+                    raise InvalidRequest(f"table_held[{i}]: this executor holds no block table for sequence"
+                                         f" {seq.seq_id} (send it)")
+                sequences[i] = seq._replace(block_table=table)
+        return replace(step, sequences=sequences)
+
+    def commit(self, step: StepInput) -> None:
+        for seq in step.sequences:
+            self.tables[seq.seq_id] = seq.block_table
+        self.release(step.released_seq_ids)
 
 
 @dataclass(frozen=True)

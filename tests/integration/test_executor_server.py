@@ -15,7 +15,13 @@ from pagedserve.protos import executor_pb2 as pb
 from pagedserve.protos import executor_pb2_grpc as pb_grpc
 from pagedserve.services.common.processes import ServiceProcess, running_service, start_service, stop_service
 from pagedserve.services.executor.client import step_to_proto, tokens_from_proto
-from pagedserve.services.executor.step_types import SampledToken, SamplingParams, SequenceInput, StepInput
+from pagedserve.services.executor.step_types import (
+    HeldTables,
+    SampledToken,
+    SamplingParams,
+    SequenceInput,
+    StepInput,
+)
 
 BLOCK = 4
 
@@ -79,6 +85,34 @@ def test_prefill_then_decode_match_hf_greedy(stub: pb_grpc.ExecutorStub, tiny_ll
     assert forked.top_logprobs == pytest.approx(again.top_logprobs, abs=1e-5)
 
 
+def test_a_held_block_table_is_used_until_released_or_reset(stub: pb_grpc.ExecutorStub) -> None:
+    """The frontend's client sends a sequence's table only when it changed (`table_held`); the executor uses
+    the one it holds, and forgets it when the sequence is released or the executor resets."""
+    sender, table, prompt = HeldTables(), [12, 13], [5, 17, 42, 8, 9, 60]
+    first = step_to_proto(StepInput([seq_step(40, prompt, 0, table)]), held=sender)
+    assert list(first.table_held) == [False] and list(first.block_tables) == table
+    token = tokens(stub.Execute(first))[0].token_id
+    held = step_to_proto(StepInput([seq_step(40, [token], 6, table)]), held=sender)  # the same table object
+    assert list(held.table_held) == [True] and list(held.block_table_lens) == [0] and not held.block_tables
+    by_held = tokens(stub.Execute(held))[0]
+    sent = tokens(stub.Execute(step(seq_step(40, [token], 6, list(table)))))[0]  # the same step, table sent
+    assert by_held.token_id == sent.token_id and by_held.logprob == pytest.approx(sent.logprob, abs=1e-6)
+    stub.Execute(step_to_proto(StepInput([], released_seq_ids=[40]), held=sender))
+    assert 40 not in sender.tables
+    with pytest.raises(grpc.RpcError) as gone:
+        stub.Execute(held)
+    assert gone.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "holds no block table" in gone.value.details()
+    stub.Execute(step(seq_step(41, prompt, 0, table)))  # held from here on, until the Reset
+    stub.Reset(pb.ResetRequest(epoch=0))
+    held_41 = step_to_proto(StepInput([seq_step(41, [token], 6, table)]), held=HeldTables())
+    held_41.table_held[:] = [True]
+    del held_41.block_tables[:]
+    held_41.block_table_lens[:] = [0]
+    with pytest.raises(grpc.RpcError) as reset:
+        stub.Execute(held_41)
+    assert reset.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "holds no block table" in reset.value.details()
+
+
 def test_overlapped_steps_feed_the_tokens_they_sampled_forward(stub: pb_grpc.ExecutorStub) -> None:
     """Steps 2 and 3 are sent before step 1 answers, each with LAST_SAMPLED (-1) as its input: the executor
     runs them in order and gives the tokens that serial steps with known inputs give."""
@@ -116,6 +150,12 @@ BAD = [
                        sample=[False, False]), "num_tokens: 1 entries for 2 sequences"),
     (pb.ExecuteRequest(seq_ids=[1], num_tokens=[1], start_positions=[0], block_table_lens=[1], sample=[True],
                        token_ids=[5], slot_mapping=[0], block_tables=[0]), "temperature: 0 entries for 1 sequences"),
+    (pb.ExecuteRequest(seq_ids=[1], num_tokens=[1], start_positions=[0], block_table_lens=[1], sample=[False],
+                       token_ids=[5], slot_mapping=[0], block_tables=[0], table_held=[True, False]),
+     "table_held: 2 entries for 1 sequences"),
+    (pb.ExecuteRequest(seq_ids=[1], num_tokens=[1], start_positions=[0], block_table_lens=[1], sample=[False],
+                       token_ids=[5], slot_mapping=[0], block_tables=[0], table_held=[True]),
+     "block_table_lens[0]: 1 blocks for a table the executor holds"),
 ]
 
 
