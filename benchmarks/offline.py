@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import re
@@ -201,20 +202,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     bench_ours(llm, prompts[:2], 4)  # warm-up
     bench_hf(hf, llm.tokenizer, prompts[:2], 4)
-    peer_dir = None
+    run_peer = None  # one run of the peer on the batch, in a process of its own
     if peer_python is not None:
         from .peers.hf_export import export_hf
 
-        peer_dir = export_hf(args.model)
+        run_peer = functools.partial(run_vllm, peer_python, export_hf(args.model), prompts, args.new_tokens,
+                                     args.kv_cache_mib, 1, args.peer_eager)
     ours_rates, hf_rates, peer_runs = [], [], []
     for _ in range(args.repeats):  # alternate, so a burst of load elsewhere hits every side alike
         rate, ours, preemptions = run_ours(llm, prompts, args.new_tokens)
         ours_rates.append(rate)
         rate, theirs = run_hf(hf, pad, prompts, args.new_tokens)
         hf_rates.append(rate)
-        if peer_python is not None:  # a process of its own each round: ours and HF sit idle meanwhile
-            peer_runs.append(run_vllm(peer_python, peer_dir, prompts, args.new_tokens, args.kv_cache_mib, 1,
-                                      args.peer_eager))
+        if run_peer is not None:  # a process of its own each round: ours and HF sit idle meanwhile
+            peer_runs.append(run_peer())
     tok_s, hf_tok_s = statistics.median(ours_rates), statistics.median(hf_rates)
     match_hf, prefix_hf = greedy_match(ours, theirs)
     result: dict[str, Any] = {
