@@ -15,11 +15,12 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = Non
     """`held`: the tables the executor holds; only the others are sent (and recorded as held from now on)."""
     seqs = step.sequences
     sampled = [s.sampling for s in seqs if s.sampling is not None]
-    table_held = [held.held(s) for s in seqs] if held is not None else []
-    if held is not None:
+    if held is None:
+        table_held = [False] * len(seqs)
+    else:
+        table_held = [held.held(s) for s in seqs]
         held.release(step.released_seq_ids)
-    tables = [s.block_table for s, h in zip(seqs, table_held, strict=True) if not h] if table_held else [
-        s.block_table for s in seqs]
+    tables = [() if h else s.block_table for s, h in zip(seqs, table_held, strict=True)]  # a held one: not sent
     return pb.ExecuteRequest(
         swap_out=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_out],
         swap_in=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_in],
@@ -28,8 +29,7 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = Non
         seq_ids=[s.seq_id for s in seqs],
         num_tokens=[len(s.token_ids) for s in seqs],
         start_positions=[s.start_position for s in seqs],
-        block_table_lens=[0 if h else len(s.block_table) for s, h in zip(seqs, table_held, strict=True)]
-        if table_held else [len(s.block_table) for s in seqs],
+        block_table_lens=[len(table) for table in tables],
         sample=[s.sampling is not None for s in seqs],
         token_ids=[t for s in seqs for t in s.token_ids],
         slot_mapping=[slot for s in seqs for slot in s.slot_mapping],
@@ -41,7 +41,7 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = Non
         num_top_logprobs=[p.num_top_logprobs for p in sampled],
         epoch=epoch,
         released_seq_ids=step.released_seq_ids,
-        table_held=table_held,
+        table_held=table_held if held is not None else [],
     )
 
 

@@ -345,7 +345,7 @@ class Scheduler:
         max_model_len = self.config.max_model_len
         if len(sampled) != len(step.sampled):
             raise RuntimeError(f"the executor sampled {len(sampled)} tokens for {len(step.sampled)} sequences")
-        for seq, token in zip(step.sampled, sampled, strict=True):  # the executor answers in the step's order
+        for seq, token in zip(step.sampled, sampled, strict=False):  # lengths checked; in the step's order
             if token.seq_id != seq.seq_id:
                 raise RuntimeError(f"the executor answered for sequence {token.seq_id}, not {seq.seq_id}")
             seq.num_pending -= 1
