@@ -8,8 +8,7 @@ import grpc
 
 from ...protos import block_manager_pb2 as pb
 from ...protos import block_manager_pb2_grpc as pb_grpc
-from ..common.grpc_server import CHANNEL_OPTIONS
-from ..common.tracing import traced_channel
+from ..common.channels import StepChannel
 from .manager import BlockCopy, BlockTableDelta
 from .stats import BlockStats
 from .step import (
@@ -98,8 +97,8 @@ class RemoteBlockManager:
     """The engine thread makes one Step call per scheduler step."""
 
     def __init__(self, address: str, timeout: float = 30.0) -> None:
-        self.channel = traced_channel(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
-        self.stub = pb_grpc.BlockManagerStub(self.channel)
+        self.channel = StepChannel(address)
+        self.stub = pb_grpc.BlockManagerStub(self.channel.channel)
         self.timeout = timeout
 
     def step(self, ops: Sequence[Op]) -> StepAnswer:
@@ -107,6 +106,7 @@ class RemoteBlockManager:
 
     def send(self, ops: Sequence[Op]) -> PendingStep:
         """The same call, returning at once: the engine collects the executor's tokens meanwhile."""
+        self.channel.keep_polled()
         return PendingStep(self.stub.Step.future(step_to_proto(ops), timeout=self.timeout))
 
     def stats(self) -> BlockStats:

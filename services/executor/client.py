@@ -6,8 +6,7 @@ import grpc
 
 from ...protos import executor_pb2 as pb
 from ...protos import executor_pb2_grpc as pb_grpc
-from ..common.grpc_server import CHANNEL_OPTIONS
-from ..common.tracing import traced_channel
+from ..common.channels import StepChannel
 from .step_types import ExecutorInfo, HeldTables, SampledToken, StepInput
 
 
@@ -68,14 +67,15 @@ class RunningStep:
 
 class RemoteExecutor:
     def __init__(self, address: str, timeout: float = 600.0) -> None:
-        self.channel = traced_channel(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
-        self.stub = pb_grpc.ExecutorStub(self.channel)
+        self.channel = StepChannel(address)
+        self.stub = pb_grpc.ExecutorStub(self.channel.channel)
         self.timeout = timeout
         self.epoch = 0
         self.held = HeldTables()  # what the executor holds, as far as the steps sent tell
 
     def submit(self, step: StepInput) -> RunningStep:
         """Sends the step and returns at once: overlapped steps queue behind the one running."""
+        self.channel.keep_polled()
         return RunningStep(self.stub.Execute.future(step_to_proto(step, self.epoch, self.held), timeout=self.timeout))
 
     def info(self) -> ExecutorInfo:

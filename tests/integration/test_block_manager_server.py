@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagedserve.protos import block_manager_pb2 as pb
 from pagedserve.protos import block_manager_pb2_grpc as pb_grpc
+from pagedserve.services.block_manager.client import RemoteBlockManager
 from pagedserve.services.common.processes import ServiceProcess, running_service, wait_serving
+from polling import wait_for
 
 NS = b"namespace-digest"
 
@@ -170,14 +173,44 @@ def test_health_and_reflection(server: ServiceProcess) -> None:
 
 def test_health_watch_follows_the_service_until_it_stops() -> None:
     """The standard streaming Watch (what a load balancer or a client library uses): SERVING, then NOT_SERVING
-    when the service stops. Our error-mapping wrapper once answered it INTERNAL (it wrote with context.write)."""
+    when the service stops, and then the stream ends OK (grpcio's never ends: it held the stop for its whole
+    grace, and our clients keep one open). Our error-mapping wrapper once answered it INTERNAL."""
     with running_service(["block-manager", "--num-blocks", "4"]) as service:
         with grpc.insecure_channel(service.address) as channel:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             service.proc.send_signal(signal.SIGTERM)
             assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(StopIteration):
+                next(watch)
+            assert watch.code() == grpc.StatusCode.OK
         assert service.proc.wait(timeout=15) == 0
+
+
+def test_the_client_starts_no_thread_per_call_and_survives_a_restart(tmp_path: Path) -> None:
+    """grpcio starts a thread to poll a channel whenever a future call finds none in flight: one per Step for a
+    client with one call at a time. The client keeps a health Watch open instead, and opens another when the
+    service restarted (counted through threading.settrace, which every new Python thread calls)."""
+    listen = f"unix:{tmp_path}/bm.sock"
+    args = ["block-manager", "--num-blocks", "8", "--block-size", "4"]
+    started: list[str] = []
+
+    def count_thread(*_: object) -> None:
+        started.append(threading.current_thread().name)
+
+    for attempt in range(2):  # the service, then the service started again on the same socket
+        with running_service(args, listen=listen) as service:
+            client = RemoteBlockManager(service.address) if attempt == 0 else client
+            client.send([]).result()  # (re)opens the Watch
+            threading.settrace(count_thread)
+            try:
+                for _ in range(20):
+                    client.send([]).result()
+            finally:
+                threading.settrace(None)  # type: ignore[arg-type]
+            assert started == [], f"threads started by calls: {started}"
+        wait_for(lambda: not client.channel.watch_open, "the client saw the service's Watch end")
+    client.close()
 
 
 def test_sigterm_stops_gracefully() -> None:
