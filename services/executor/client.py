@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import chain
+
 import grpc
 
 from ...protos import executor_pb2 as pb
@@ -11,36 +14,38 @@ from .step_types import ExecutorInfo, HeldTables, SampledToken, StepInput
 
 
 def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = None) -> pb.ExecuteRequest:
-    """`held`: the tables the executor holds; only the others are sent (and recorded as held from now on)."""
+    """`held`: the tables the executor holds; only the others are sent (and recorded as held from now on).
+    Columns by transposing the sequences (zip(*...)): C loops, not one Python pass per field."""
     seqs = step.sequences
-    sampled = [s.sampling for s in seqs if s.sampling is not None]
-    if held is None:
-        table_held = [False] * len(seqs)
-    else:
-        table_held = [held.held(s) for s in seqs]
+    seq_ids, token_lists, starts, tables, slot_lists, samplings = zip(*seqs, strict=True) if seqs else ((),) * 6
+    table_held: Sequence[bool] = ()
+    if held is not None:
+        table_held = held.sent(seq_ids, tables)
         held.release(step.released_seq_ids)
-    tables = [() if h else s.block_table for s, h in zip(seqs, table_held, strict=True)]  # a held one: not sent
+        tables = tuple(() if h else t for t, h in zip(tables, table_held, strict=True))  # a held one: not sent
+    sampled = [p for p in samplings if p is not None]
+    temperature, top_k, top_p, seed, num_top_logprobs = zip(*sampled, strict=True) if sampled else ((),) * 5
     return pb.ExecuteRequest(
         swap_out=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_out],
         swap_in=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_in],
         copies=[pb.BlockCopy(src=s, dst=d) for s, d in step.copies],
         step_id=step.step_id,
-        seq_ids=[s.seq_id for s in seqs],
-        num_tokens=[len(s.token_ids) for s in seqs],
-        start_positions=[s.start_position for s in seqs],
-        block_table_lens=[len(table) for table in tables],
-        sample=[s.sampling is not None for s in seqs],
-        token_ids=[t for s in seqs for t in s.token_ids],
-        slot_mapping=[slot for s in seqs for slot in s.slot_mapping],
-        block_tables=[b for table in tables for b in table],
-        temperature=[p.temperature for p in sampled],
-        top_k=[p.top_k for p in sampled],
-        top_p=[p.top_p for p in sampled],
-        seed=[p.seed for p in sampled],
-        num_top_logprobs=[p.num_top_logprobs for p in sampled],
+        seq_ids=seq_ids,
+        num_tokens=list(map(len, token_lists)),
+        start_positions=starts,
+        block_table_lens=list(map(len, tables)),
+        sample=[p is not None for p in samplings],
+        token_ids=list(chain.from_iterable(token_lists)),
+        slot_mapping=list(chain.from_iterable(slot_lists)),
+        block_tables=list(chain.from_iterable(tables)),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        num_top_logprobs=num_top_logprobs,
         epoch=epoch,
         released_seq_ids=step.released_seq_ids,
-        table_held=table_held if held is not None else [],
+        table_held=table_held,
     )
 
 

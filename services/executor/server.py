@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 
 import grpc.aio
 
@@ -50,16 +51,24 @@ def step_from_proto(r: pb.ExecuteRequest) -> StepInput:
     for name in ("temperature", "top_k", "top_p", "seed", "num_top_logprobs"):
         if len(getattr(r, name)) != num_sampled:
             raise InvalidRequest(f"{name}: {len(getattr(r, name))} entries for {num_sampled} sequences that sample")
-    params = iter([SamplingParams(t, k, p if p > 0 else 1.0, seed, n)
-                   for t, k, p, seed, n in zip(r.temperature, r.top_k, r.top_p, r.seed, r.num_top_logprobs,
-                                               strict=True)])
+    top_p = list(r.top_p)
+    if top_p and min(top_p) <= 0:  # unset: off
+        top_p = [p if p > 0 else 1.0 for p in top_p]
+    sampled = list(map(SamplingParams, r.temperature, r.top_k, top_p, r.seed, r.num_top_logprobs))
+    params: list[SamplingParams | None] = list(sampled)
+    if len(sampled) < num_seqs:  # some sequences do not sample (prefill chunks)
+        each = iter(sampled)
+        params = [next(each) if sample else None for sample in flags]
     tokens, slots, tables = list(r.token_ids), list(r.slot_mapping), list(r.block_tables)
-    sequences, at, table_at = [], 0, 0
-    for seq_id, n, start, table_len, sample in zip(r.seq_ids, num_tokens, r.start_positions, table_lens, flags,
-                                                           strict=True):
-        sequences.append(SequenceInput(seq_id, tokens[at : at + n], start, tables[table_at : table_at + table_len],
-                                       slots[at : at + n], next(params) if sample else None))
-        at, table_at = at + n, table_at + table_len
+    if num_tokens.count(1) == num_seqs:  # decodes: one token each
+        token_lists, slot_lists = [[t] for t in tokens], [[s] for s in slots]
+    else:
+        ends = list(accumulate(num_tokens))
+        token_lists = [tokens[end - n : end] for n, end in zip(num_tokens, ends, strict=True)]
+        slot_lists = [slots[end - n : end] for n, end in zip(num_tokens, ends, strict=True)]
+    table_lists = [tables[end - n : end] for n, end in zip(table_lens, accumulate(table_lens), strict=True)]
+    # columns to rows in C (map over the columns), not one Python pass per sequence
+    sequences = list(map(SequenceInput, r.seq_ids, token_lists, r.start_positions, table_lists, slot_lists, params))
     return StepInput(
         sequences,
         swap_out=[(c.src, c.dst) for c in r.swap_out],

@@ -107,27 +107,32 @@ class HeldTables:
         for seq_id in seq_ids:
             self.tables.pop(seq_id, None)
 
-    def held(self, seq: SequenceInput) -> bool:
-        """The sender's side: whether the executor holds this very table (tables are replaced, never changed
-        in place, so the same object means the same table), recording it as held from now on if not."""
-        if self.tables.get(seq.seq_id) is seq.block_table:
-            return True
-        self.tables[seq.seq_id] = seq.block_table
-        return False
+    def sent(self, seq_ids: Sequence[int], tables: Sequence[Sequence[int]]) -> list[bool]:
+        """The sender's side: for each sequence of a step, whether the executor holds this very table (tables
+        are replaced, never changed in place, so the same object means the same table); those it does not
+        hold are recorded as held from now on."""
+        held = self.tables
+        mask = [held.get(seq_id) is table for seq_id, table in zip(seq_ids, tables, strict=True)]
+        for seq_id, table, is_held in zip(seq_ids, tables, mask, strict=True):
+            if not is_held:
+                held[seq_id] = table
+        return mask
 
     def resolve(self, step: StepInput, held: Sequence[bool]) -> StepInput:
         """The executor's side: the step with every held table filled in (InvalidRequest if one is not held).
         Changes nothing: `commit` records the step's new tables once it has run."""
         if not any(held):
             return step
-        sequences = list(step.sequences)
-        for i, (seq, is_held) in enumerate(zip(sequences, held, strict=True)):
-            if is_held:
-                table = self.tables.get(seq.seq_id)
-                if table is None:
-                    raise InvalidRequest(f"table_held[{i}]: this executor holds no block table for sequence"
-                                         f" {seq.seq_id} (send it)")
-                sequences[i] = seq._replace(block_table=table)
+        tables = self.tables
+        try:
+            sequences = [SequenceInput(s.seq_id, s.token_ids, s.start_position, tables[s.seq_id], s.slot_mapping,
+                                       s.sampling) if is_held else s
+                         for s, is_held in zip(step.sequences, held, strict=True)]
+        except KeyError:
+            i, seq = next((i, s) for i, (s, h) in enumerate(zip(step.sequences, held, strict=True))
+                          if h and s.seq_id not in tables)
+            raise InvalidRequest(f"table_held[{i}]: this executor holds no block table for sequence {seq.seq_id}"
+                                 " (send it)") from None
         return replace(step, sequences=sequences)
 
     def commit(self, step: StepInput) -> None:

@@ -218,9 +218,10 @@ class EngineLoop:
         for output in outputs:
             request = output.request
             subscriber = self._subscribers.get(request.request_id)
-            if subscriber is not None and (request.finished or not subscriber.final_only):
+            finished = request.finished
+            if subscriber is not None and (finished or not subscriber.final_only):
                 posts.append((subscriber, output))
-            if request.finished:
+            if finished:
                 posts += self._close(request.request_id, request)
         _post(posts)
 

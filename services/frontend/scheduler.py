@@ -396,8 +396,7 @@ class Scheduler:
         if seq.request.num_unforked > 0 and seq.index == 0:
             return len(seq.token_ids) - 1
         known = self._known_len(seq)
-        if seq.num_pending and (known - seq.num_prompt_tokens >= seq.request.params.max_tokens
-                                or known >= self.config.max_model_len):
+        if seq.num_pending and (known >= seq.request.max_len or known >= self.config.max_model_len):
             return seq.num_computed
         return known
 

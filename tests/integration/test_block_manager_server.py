@@ -14,12 +14,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from polling import wait_for
 
 from pagedserve.protos import block_manager_pb2 as pb
 from pagedserve.protos import block_manager_pb2_grpc as pb_grpc
 from pagedserve.services.block_manager.client import RemoteBlockManager
 from pagedserve.services.common.processes import ServiceProcess, running_service, wait_serving
-from polling import wait_for
 
 NS = b"namespace-digest"
 
@@ -198,9 +198,9 @@ def test_the_client_starts_no_thread_per_call_and_survives_a_restart(tmp_path: P
     def count_thread(*_: object) -> None:
         started.append(threading.current_thread().name)
 
-    for attempt in range(2):  # the service, then the service started again on the same socket
-        with running_service(args, listen=listen) as service:
-            client = RemoteBlockManager(service.address) if attempt == 0 else client
+    client = RemoteBlockManager(listen)
+    for _ in range(2):  # the service, then the service started again on the same socket
+        with running_service(args, listen=listen):
             client.send([]).result()  # (re)opens the Watch
             threading.settrace(count_thread)
             try:

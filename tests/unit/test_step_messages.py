@@ -1,0 +1,89 @@
+"""The executor's step message, both ends: what the frontend sends (step_to_proto, held tables left out) is what
+the executor runs (step_from_proto, then its held tables filled in), for any mix of prefill chunks, decodes,
+sampling and not, over a run of steps in which tables change, are held and are released."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.protos import executor_pb2 as pb
+from pagedserve.services.executor.client import step_to_proto, tokens_from_proto
+from pagedserve.services.executor.server import step_from_proto, tokens_to_proto
+from pagedserve.services.executor.step_types import (
+    LAST_SAMPLED,
+    HeldTables,
+    SampledToken,
+    SamplingParams,
+    SequenceInput,
+    StepInput,
+)
+
+# floats that float32 (the wire) holds exactly
+sampling = st.builds(SamplingParams, st.sampled_from([0.0, 0.5, 1.25]), st.integers(0, 50),
+                     st.sampled_from([1.0, 0.875, 0.25]), st.integers(0, 2**62), st.integers(0, 5))
+
+
+@st.composite
+def steps(draw: st.DrawFn) -> list[StepInput]:
+    """A run of steps over a few sequences; a sequence keeps its table object until it changes (as the
+    scheduler does: replaced, never changed in place), and some are released."""
+    num_seqs = draw(st.integers(0, 6))
+    tables: dict[int, list[int]] = {seq_id: draw(st.lists(st.integers(0, 999), max_size=6)) for seq_id in
+                                    range(1, num_seqs + 1)}
+    run = []
+    for step_id in range(1, draw(st.integers(1, 5)) + 1):
+        sequences, released = [], []
+        for seq_id in list(tables):
+            if draw(st.integers(0, 9)) == 0:
+                released.append(seq_id)
+                del tables[seq_id]
+                continue
+            if draw(st.booleans()):
+                tables[seq_id] = tables[seq_id] + draw(st.lists(st.integers(0, 999), min_size=1, max_size=2))
+            decode = draw(st.booleans())
+            tokens = [draw(st.sampled_from([LAST_SAMPLED, 7]))] if decode else draw(
+                st.lists(st.integers(0, 4000), min_size=1, max_size=5))
+            slots = draw(st.lists(st.integers(-1, 9999), min_size=len(tokens), max_size=len(tokens)))
+            sequences.append(SequenceInput(seq_id, tokens, draw(st.integers(0, 2000)), tables[seq_id], slots,
+                                           draw(st.none() | sampling)))
+        run.append(StepInput(sequences, step_id=step_id, released_seq_ids=released))
+    return run
+
+
+def as_lists(step: StepInput) -> list[tuple[object, ...]]:
+    return [(s.seq_id, list(s.token_ids), s.start_position, list(s.block_table), list(s.slot_mapping), s.sampling)
+            for s in step.sequences]
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps())
+def test_the_executor_runs_the_step_the_frontend_sent(run: list[StepInput]) -> None:
+    sender, receiver = HeldTables(), HeldTables()
+    sent: dict[int, object] = {}  # the table object each sequence last sent
+    for step in run:
+        request = pb.ExecuteRequest.FromString(step_to_proto(step, 3, sender).SerializeToString())
+        received = receiver.resolve(step_from_proto(request), list(request.table_held))
+        receiver.commit(received)
+        assert as_lists(received) == as_lists(step)
+        assert (received.step_id, list(received.released_seq_ids)) == (step.step_id, list(step.released_seq_ids))
+        assert request.epoch == 3
+        # a table is left out exactly when the same object went in an earlier step
+        assert list(request.table_held) == [sent.get(s.seq_id) is s.block_table for s in step.sequences]
+        assert [n == 0 for n, held in zip(request.block_table_lens, request.table_held, strict=True) if held] == \
+            [True] * sum(request.table_held)
+        sent.update({s.seq_id: s.block_table for s in step.sequences})
+        for seq_id in step.released_seq_ids:
+            sent.pop(seq_id, None)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 10**6), st.integers(0, 49151), st.floats(-50, 0),
+                          st.lists(st.tuples(st.integers(0, 49151), st.floats(-50, 0)), max_size=3)), max_size=8))
+def test_sampled_tokens_come_back_as_sampled(rows: list[tuple[int, int, float, list[tuple[int, float]]]]) -> None:
+    tokens = [SampledToken(s, t, lp, [i for i, _ in top], [v for _, v in top]) for s, t, lp, top in rows]
+    back = tokens_from_proto(pb.ExecuteResponse.FromString(tokens_to_proto(tokens).SerializeToString()))
+    assert [(t.seq_id, t.token_id, list(t.top_token_ids)) for t in back] == \
+        [(t.seq_id, t.token_id, t.top_token_ids) for t in tokens]
+    for got, sent in zip(back, tokens, strict=True):  # floats travel as float32
+        assert abs(got.logprob - sent.logprob) <= 1e-5 * max(1.0, abs(sent.logprob))
