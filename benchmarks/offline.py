@@ -119,7 +119,7 @@ def run_served(args: argparse.Namespace, prompts: list[list[int]], new_tokens: i
     from ..protos import inference_pb2 as pb
     from ..protos import inference_pb2_grpc as pb_grpc
     from ..services.common.processes import stop_service
-    from .serve import start_stack
+    from .stack import start_stack
 
     flags = dict.fromkeys(("preemption_mode", "block_size", "ttft_slo_ms", "tpot_slo_ms"))
     # the executor gets the offline run's torch threads (all cores), not serve's default of all but one

@@ -24,9 +24,7 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,8 +39,9 @@ import grpc
 
 from ..protos import inference_pb2 as pb
 from ..protos import inference_pb2_grpc as pb_grpc
-from ..services.common.processes import ServiceProcess, stop_service, wait_serving
+from ..services.common.processes import stop_service
 from .report import emit
+from .stack import start_stack
 from .workloads import RequestSpec, sharegpt_like
 
 PASSAGE = (
@@ -293,31 +292,6 @@ def hf_pass(args: argparse.Namespace, prompts: list[list[int]], specs: list[Requ
     return {"hf_throughput_tok_s": round(useful / elapsed, 2), "hf_pass_s": round(elapsed, 1),
             "hf_load_s": round(load_s, 1), "hf_useful_token_frac": round(useful / computed, 3),
             "hf_threads": torch.get_num_threads(), "hf_batch_size": size}
-
-
-# ---- the stack ----------------------------------------------------------------------------------------
-
-
-def start_stack(args: argparse.Namespace, log: Any) -> ServiceProcess:
-    with socket.socket() as sock:  # a free loopback port
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    cmd = [sys.executable, "-m", "pagedserve", "serve", "--model", args.model, "--port", str(port), "--device",
-           getattr(args, "device", "cpu"), "--status-interval", "5",
-           "--max-streams-per-tenant", "1000000"]  # one client sends the whole load: not what is measured
-    for flag in ("kv_cache_mib", "max_num_seqs", "max_num_batched_tokens", "preemption_mode", "block_size",
-                 "threads", "ttft_slo_ms", "tpot_slo_ms"):
-        if getattr(args, flag) is not None:
-            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"})
-    stack = ServiceProcess(proc, f"127.0.0.1:{port}")
-    try:
-        wait_serving(stack.address, 900, proc)
-    except BaseException:
-        stop_service(stack, grace=60)
-        raise
-    return stack
 
 
 def plot(path: Path, outcomes: list[Outcome], samples: list[tuple[float, int, int]],

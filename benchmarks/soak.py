@@ -33,7 +33,7 @@ from ..protos import inference_pb2 as pb
 from ..protos import inference_pb2_grpc as pb_grpc
 from ..services.common.processes import stop_service
 from .report import emit
-from .serve import start_stack
+from .stack import start_stack
 
 PREFIXES = [
     "You are a careful assistant. Answer briefly and cite the rule you used. ",
