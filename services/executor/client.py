@@ -52,7 +52,7 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = Non
 def tokens_from_proto(response: pb.ExecuteResponse) -> list[SampledToken]:
     r = response
     if not r.num_top:  # no top logprobs asked for: the common case
-        return [SampledToken(s, t, lp, [], []) for s, t, lp in zip(r.seq_ids, r.token_ids, r.logprobs, strict=True)]
+        return [SampledToken(s, t, lp, (), ()) for s, t, lp in zip(r.seq_ids, r.token_ids, r.logprobs, strict=True)]
     tokens, top_ids, top_values, at = [], list(r.top_token_ids), list(r.top_logprobs), 0
     for s, t, lp, n in zip(r.seq_ids, r.token_ids, r.logprobs, r.num_top, strict=True):
         tokens.append(SampledToken(s, t, lp, top_ids[at : at + n], top_values[at : at + n]))

@@ -35,8 +35,8 @@ class SampledToken(NamedTuple):
     seq_id: int
     token_id: int
     logprob: float  # of the chosen token under the model's distribution (before temperature and filters)
-    top_token_ids: list[int]
-    top_logprobs: list[float]
+    top_token_ids: Sequence[int]  # () when none were asked for: no list per token
+    top_logprobs: Sequence[float]
 
 
 class SequenceInput(NamedTuple):  # a tuple: hundreds are built every step
