@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from itertools import accumulate
+from itertools import accumulate, chain
 
 import grpc.aio
 
@@ -80,12 +80,14 @@ def step_from_proto(r: pb.ExecuteRequest) -> StepInput:
 
 
 def tokens_to_proto(tokens: list[SampledToken]) -> pb.ExecuteResponse:
-    response = pb.ExecuteResponse(seq_ids=[t.seq_id for t in tokens], token_ids=[t.token_id for t in tokens],
-                                  logprobs=[t.logprob for t in tokens])
-    if any(t.top_token_ids for t in tokens):
-        response.num_top.extend(len(t.top_token_ids) for t in tokens)
-        response.top_token_ids.extend(i for t in tokens for i in t.top_token_ids)
-        response.top_logprobs.extend(v for t in tokens for v in t.top_logprobs)
+    if not tokens:
+        return pb.ExecuteResponse()
+    seq_ids, token_ids, logprobs, top_ids, top_values = zip(*tokens, strict=True)  # columns, in C
+    response = pb.ExecuteResponse(seq_ids=seq_ids, token_ids=token_ids, logprobs=logprobs)
+    if any(top_ids):
+        response.num_top.extend(map(len, top_ids))
+        response.top_token_ids.extend(chain.from_iterable(top_ids))
+        response.top_logprobs.extend(chain.from_iterable(top_values))
     return response
 
 
