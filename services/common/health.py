@@ -24,22 +24,22 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
                     context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
         status = self._status.get(request.service)
         if status is None:
-            await context.abort(grpc.intCode.NOT_FOUND, f"no service {request.service!r} here")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no service {request.service!r} here")
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
         seen, last = -1, None
         while True:
             async with self._changed:
-                while self._version == seen:
+                while self._version == seen:  # written up to the newest status
+                    if self._stopping:
+                        return
                     await self._changed.wait()
                 seen = self._version
             status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
             if status != last:
-                await context.write(health_pb2.HealthCheckResponse(status=status))
+                await context.write(health_pb2.HealthCheckResponse(status=status))  # statuses may change meanwhile
                 last = status
-            if self._stopping:
-                return
 
     async def set(self, service: str, status: int) -> None:
         """Ignored once stopping: the status stays NOT_SERVING."""

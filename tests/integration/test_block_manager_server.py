@@ -171,6 +171,19 @@ def test_health_and_reflection(server: ServiceProcess) -> None:
         assert "pagedserve.block_manager.v1.BlockManager" in names and "grpc.health.v1.Health" in names
 
 
+def test_health_names_each_service_and_no_other(server: ServiceProcess) -> None:
+    with grpc.insecure_channel(server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        named = health.Check(health_pb2.HealthCheckRequest(service="pagedserve.block_manager.v1.BlockManager"))
+        assert named.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as refused:
+            health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"))
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = health.Watch(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        watch.cancel()
+
+
 def test_health_watch_follows_the_service_until_it_stops() -> None:
     """The standard streaming Watch (what a load balancer or a client library uses): SERVING, then NOT_SERVING
     when the service stops, and then the stream ends OK (grpcio's never ends: it held the stop for its whole
