@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate, chain
 
@@ -26,6 +27,7 @@ from .runner import ModelRunner
 from .step_types import LAST_SAMPLED, HeldTables, SampledToken, SamplingParams, SequenceInput, StepInput
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
+ORDER_WAIT_S = 2.0  # how long a step waits for the step it follows (see ExecutorServicer._after_predecessor)
 
 
 def step_from_proto(r: pb.ExecuteRequest) -> StepInput:
@@ -97,8 +99,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.runner: ModelRunner | None = None
         self.info: pb.InfoResponse | None = None
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
-        self.last_queued = 0  # the last numbered step handed to the step thread
-        self.num_outstanding = 0  # steps handed to the step thread, not ended
+        self.last_arrived = 0  # the newest numbered step of this epoch queued for the step thread, or refused
         self.order = asyncio.Condition()
         self.epoch = 0
         self.tables = HeldTables()  # the block tables of the sequences running here (table_held)
@@ -114,27 +115,30 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         runner = self.runner
         if runner is None:
             raise NotReady("the model is still loading")
-        step = step_from_proto(request)
-        if request.epoch != self.epoch:  # UNAVAILABLE: to its sender this executor is lost (restarted, or reset)
-            raise NotReady(f"epoch: the step is of epoch {request.epoch}, the executor's is {self.epoch}")
-        if step.step_id and any(seq.token_ids[:1] == [LAST_SAMPLED] for seq in step.sequences):
-            # step N+1 is sent before step N answers: it must not be queued for the step thread (which runs
-            # steps in the order they are queued) before step N, while step N may still come
-            async with self.order:
-                await self.order.wait_for(lambda: self.last_queued >= step.step_id - 1 or not self.num_outstanding)
-        running = asyncio.get_running_loop().run_in_executor(self.thread, self._run_step, runner, step,
-                                                             list(request.table_held), request.epoch)
-        self.num_outstanding += 1
-        async with self.order:
-            self.last_queued = step.step_id or self.last_queued
-            self.order.notify_all()
         try:
-            tokens = await running
-        finally:
-            self.num_outstanding -= 1
-            async with self.order:
-                self.order.notify_all()
-        return tokens_to_proto(tokens)
+            step = step_from_proto(request)
+            if request.epoch != self.epoch:  # UNAVAILABLE: to its sender this executor is lost (restarted, or reset)
+                raise NotReady(f"epoch: the step is of epoch {request.epoch}, the executor's is {self.epoch}")
+            if step.step_id and any(seq.token_ids[:1] == [LAST_SAMPLED] for seq in step.sequences):
+                await self._after_predecessor(step.step_id, request.epoch)
+            running = asyncio.get_running_loop().run_in_executor(self.thread, self._run_step, runner, step,
+                                                                 list(request.table_held), request.epoch)
+        finally:  # queued or refused, this step has arrived: the next may go
+            if request.step_id and request.epoch == self.epoch:
+                async with self.order:
+                    self.last_arrived = max(self.last_arrived, request.step_id)
+                    self.order.notify_all()
+        return tokens_to_proto(await running)
+
+    async def _after_predecessor(self, step_id: int, epoch: int) -> None:
+        """Step N asks for what step N-1 samples, and the step thread runs steps in the order they are queued:
+        N waits until N-1 has arrived (queued, or refused). Both are in flight at once, and N-1 may even be read
+        after N (two calls on one connection: a larger message takes longer to read). One that never comes (a
+        broken client) lets N go after ORDER_WAIT_S, to fail on its LAST_SAMPLED inputs."""
+        async with self.order:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.order.wait_for(
+                    lambda: self.last_arrived >= step_id - 1 or self.epoch != epoch), ORDER_WAIT_S)
 
     def _run_step(self, runner: ModelRunner, step: StepInput, held: list[bool], epoch: int) -> list[SampledToken]:
         """On the step thread, in step order: a step queued before a Reset is void; held tables are those of
@@ -157,7 +161,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.epoch = request.epoch
         # the step thread runs in order: once this has run, every step queued before has run or been skipped
         await asyncio.get_running_loop().run_in_executor(self.thread, self._reset, runner)
-        self.last_queued = 0
+        async with self.order:  # steps waiting for a predecessor of the old epoch go, to be refused
+            self.last_arrived = 0
+            self.order.notify_all()
         return await self.Info(pb.InfoRequest(), context)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:

@@ -138,6 +138,18 @@ def test_overlapped_steps_feed_the_tokens_they_sampled_forward(stub: pb_grpc.Exe
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
 
 
+def test_a_step_read_before_the_step_it_follows_waits_for_it(stub: pb_grpc.ExecutorStub) -> None:
+    """Two steps in flight on one connection may be read in either order (a larger message takes longer to
+    read): step N, whose input is what N-1 samples, waits until N-1 has arrived instead of failing."""
+    prompt, table = [5, 17, 42, 8, 9, 60], [12, 13, 14]
+    first = tokens(stub.Execute(step(seq_step(1, prompt, 0, table))))[0].token_id
+    second = tokens(stub.Execute(step(seq_step(1, [first], 6, table))))[0].token_id
+    later = stub.Execute.future(step(seq_step(1, [-1], 6, table), step_id=62))
+    time.sleep(0.3)  # step 62 is read, and waits, before step 61 is even sent
+    earlier = stub.Execute.future(step(seq_step(1, prompt, 0, table), step_id=61))
+    assert [tokens(f.result(timeout=60))[0].token_id for f in (earlier, later)] == [first, second]
+
+
 BAD = [
     (step(seq_step(1, [500], 0, [0])), "token id 500 outside the vocabulary"),
     (step(seq_step(1, [5], 300, [0] * 80)), "exceed the context"),
