@@ -2,9 +2,9 @@
 
 grpcio polls a channel's future calls from a thread it starts when the channel has none in flight and ends
 when the last one completes (grpc/_channel.py). A client with one call at a time (the block manager's Step,
-or any call in lock step) thus started a thread per call: 0.2-0.3 ms of the engine thread's time a step at
-256 sequences, in `Thread.start` alone. `StepChannel` keeps one call open (the service's health Watch, which
-every service answers and which sends nothing while the status holds), so that thread lives on.
+or any call in lock step) thus started a thread per call: an empty Step cost the client 460 µs of CPU with
+it, 294 without. `StepChannel` keeps one call open (the service's health Watch, which every service answers
+and which sends nothing while the status holds), so that thread lives on.
 """
 
 from __future__ import annotations
