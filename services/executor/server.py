@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate, chain
 
@@ -57,7 +58,7 @@ def step_from_proto(r: pb.ExecuteRequest) -> StepInput:
     if top_p and min(top_p) <= 0:  # unset: off
         top_p = [p if p > 0 else 1.0 for p in top_p]
     sampled = list(map(SamplingParams, r.temperature, r.top_k, top_p, r.seed, r.num_top_logprobs))
-    params: list[SamplingParams | None] = list(sampled)
+    params: Sequence[SamplingParams | None] = sampled
     if len(sampled) < num_seqs:  # some sequences do not sample (prefill chunks)
         each = iter(sampled)
         params = [next(each) if sample else None for sample in flags]
