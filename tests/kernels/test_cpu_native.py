@@ -1,0 +1,130 @@
+"""The CPU's decode attention in C against plain fp64 attention and the torch path, its checks, its threads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_testing import assert_close, dense_attention_fp64, make_paged_kv, strided_queries
+from test_backend import run_python
+
+from pagedserve import kernels
+from pagedserve.kernels import cpu_unavailable_reason, paged_decode_attention_cpu, paged_decode_attention_ref
+from pagedserve.kernels.cpu_native import _openmp_runtimes
+
+
+def test_the_kernel_builds_here() -> None:
+    # `make test` installs a C compiler, so the CPU serving path is the native one wherever the tests run
+    assert cpu_unavailable_reason() is None
+    backend = kernels.get_backend("cpu")
+    assert backend.name == "cpu" and backend.decode_attention is paged_decode_attention_cpu
+    assert backend.prefill_attention is kernels.paged_prefill_attention_ref
+
+
+def test_it_runs_on_torchs_openmp_runtime() -> None:
+    # one runtime, torch's: a second would run its own threads against torch's at every layer
+    assert cpu_unavailable_reason() is None
+    runtimes = _openmp_runtimes()
+    assert len(runtimes) == 1 and Path(next(iter(runtimes))).is_relative_to(Path(torch.__file__).parent), runtimes
+
+
+@pytest.mark.parametrize(
+    ("group", "head_dim", "block_size", "seq_lens"),
+    [
+        (1, 64, 16, [1, 16, 17, 45]),
+        (3, 64, 16, [80, 3, 0, 33]),  # SmolLM2's 9 query / 3 KV heads; an empty sequence attends to nothing
+        (4, 32, 8, [9, 1, 64]),
+        (2, 128, 32, [100, 31]),
+        (8, 16, 1, [5, 2]),
+    ],
+)
+def test_matches_dense_attention(group: int, head_dim: int, block_size: int, seq_lens: list[int]) -> None:
+    gen = torch.Generator().manual_seed(group * 1000 + head_dim + block_size)
+    kv = make_paged_kv(seq_lens, 3, head_dim, block_size, torch.float32, generator=gen)
+    k_cache, v_cache, tables, lens = kv.k_cache.cpu(), kv.v_cache.cpu(), kv.block_tables.cpu(), kv.seq_lens.cpu()
+    q = strided_queries(len(seq_lens), 3 * group, head_dim, torch.float32, gen).cpu()  # a view, as the model's
+    scale = 0.3  # logits well beyond N(0, 1): exercises the max subtraction
+    out = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, scale)
+    for seq, seq_len in enumerate(seq_lens):
+        if seq_len == 0:
+            assert torch.equal(out[seq], torch.zeros_like(out[seq]))
+            continue
+        expected = dense_attention_fp64(q[seq : seq + 1], kv.keys[seq], kv.values[seq], scale)
+        assert_close(out[seq : seq + 1], expected, torch.float32)
+    reference = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, scale)
+    torch.testing.assert_close(out, reference, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_any_thread_count_gives_the_same_bits(threads: int) -> None:
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = [int(n) for n in torch.randint(1, 90, (37,), generator=gen)]
+    kv = make_paged_kv(seq_lens, 3, 64, 16, torch.float32, generator=gen)
+    q = strided_queries(len(seq_lens), 9, 64, torch.float32, gen).cpu()
+    args = (q, kv.k_cache.cpu(), kv.v_cache.cpu(), kv.block_tables.cpu(), kv.seq_lens.cpu(), 0.125)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_decode_attention_cpu(*args)
+        torch.set_num_threads(threads)
+        many = paged_decode_attention_cpu(*args)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)  # one sequence is one task: its arithmetic never depends on the split
+
+
+def small_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    kv = make_paged_kv([20, 5], 1, 16, 8, torch.float32, generator=gen)
+    q = strided_queries(2, 2, 16, torch.float32, gen).cpu()
+    return q, kv.k_cache.cpu(), kv.v_cache.cpu(), kv.block_tables.cpu(), kv.seq_lens.cpu()
+
+
+def test_a_block_outside_the_cache_is_refused_before_it_is_read() -> None:
+    q, k_cache, v_cache, tables, lens = small_case()
+    for bad in (k_cache.shape[0], -1, 2**31 - 1):
+        tables_bad = tables.clone()
+        tables_bad[1, 0] = bad
+        with pytest.raises(ValueError, match="block outside the cache"):
+            paged_decode_attention_cpu(q, k_cache, v_cache, tables_bad, lens, 1.0)
+
+
+def test_a_length_past_the_block_table_is_refused() -> None:
+    q, k_cache, v_cache, tables, lens = small_case()
+    too_long = lens.clone()
+    too_long[0] = tables.shape[1] * k_cache.shape[1] + 1
+    with pytest.raises(ValueError, match="longer than its block table"):
+        paged_decode_attention_cpu(q, k_cache, v_cache, tables, too_long, 1.0)
+    with pytest.raises(ValueError, match="negative"):
+        paged_decode_attention_cpu(q, k_cache, v_cache, tables, -lens, 1.0)
+
+
+def test_inputs_it_cannot_read_are_refused() -> None:
+    q, k_cache, v_cache, tables, lens = small_case()
+    with pytest.raises(ValueError, match="fp32"):
+        paged_decode_attention_cpu(q.half(), k_cache, v_cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="fp32"):
+        paged_decode_attention_cpu(q, k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):  # K and V interleaved in one tensor
+        paged_decode_attention_cpu(q, k_cache[::2], v_cache[::2], tables, lens, 1.0)
+    with pytest.raises(ValueError, match="heads must be contiguous"):
+        paged_decode_attention_cpu(q.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="do not fit"):
+        paged_decode_attention_cpu(torch.randn(2, 2, 8), k_cache, v_cache, tables, lens, 1.0)
+
+
+def test_without_a_compiler_the_cpu_backend_says_why() -> None:
+    code = """
+        from pagedserve import kernels
+        print(kernels.cpu_unavailable_reason())
+        try:
+            kernels.get_backend("cpu")
+        except RuntimeError as error:
+            print(error)
+        else:
+            raise SystemExit("get_backend('cpu') did not raise")
+    """
+    result = run_python(code, {"PATH": "/nonexistent", "CC": None})
+    assert result.returncode == 0, result.stderr
+    assert "no C compiler" in result.stdout and "use get_backend('torch')" in result.stdout
