@@ -169,6 +169,7 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, br
     step_ms, matmul_ms = 1000 * statistics.median(step_s), 1000 * statistics.median(matmul_s)
     n = num_seqs
     result: dict[str, Any] = {
+        "kernel_backend": served.backend.name,  # "cpu": decode attention in C; "torch": the torch path
         f"decode_context_{n}": context, f"decode_step_ms_{n}": round(step_ms, 2),
         f"decode_matmul_ms_{n}": round(matmul_ms, 2), f"decode_step_over_matmul_{n}": round(step_ms / matmul_ms, 3),
     }

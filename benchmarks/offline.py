@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens_mean": round(statistics.fmean(map(len, prompts)), 1), "dtype": "float32", "device": "cpu",
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(), "num_preemptions": preemptions, "repeats": args.repeats,
-        "python": sys.version.split()[0],
+        "python": sys.version.split()[0], "kernel_backend": llm.info.kernel_backend,
     }
     return result
 

@@ -7,7 +7,7 @@ loaded by torch), so `torch.set_num_threads` governs it too; where that cannot b
 is found, `cpu_unavailable_reason` says why and the executor keeps the torch path.
 
 Against the torch path at 64 sequences of ~80 tokens (SmolLM2-135M's 9 query / 3 KV heads of 64, caches
-cold): 1.51 -> 1.14 ms per layer on one thread, 0.91 -> 0.60 on two (docs/performance.md).
+cold): 1.58 -> 1.00 ms per layer on one thread, 0.88 -> 0.52 on two (docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -72,7 +72,10 @@ def backend_name(device: torch.device, dtype: torch.dtype) -> BackendName:
     """Triton on a GPU; on the CPU the native decode attention (fp32 only) where it builds, else torch's."""
     if device.type == "cuda":
         return "triton"
-    reason = cpu_unavailable_reason() if dtype == torch.float32 else f"it runs only in fp32, not {dtype}"
+    if dtype != torch.float32:
+        log.info("decode attention on the torch path: the native CPU kernel runs only in fp32, not %s", dtype)
+        return "torch"
+    reason = cpu_unavailable_reason()
     if reason is None:
         return "cpu"
     log.warning("decode attention on the torch path: the native CPU kernel is unavailable (%s)", reason)

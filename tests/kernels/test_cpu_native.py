@@ -128,3 +128,12 @@ def test_without_a_compiler_the_cpu_backend_says_why() -> None:
     result = run_python(code, {"PATH": "/nonexistent", "CC": None})
     assert result.returncode == 0, result.stderr
     assert "no C compiler" in result.stdout and "use get_backend('torch')" in result.stdout
+
+
+def test_the_executor_takes_it_on_the_cpu_in_fp32() -> None:
+    from pagedserve.services.executor.engine_config import backend_name
+
+    cpu = torch.device("cpu")
+    assert backend_name(cpu, torch.float32) == "cpu"
+    assert backend_name(cpu, torch.bfloat16) == "torch"  # the C kernel reads fp32 caches only
+    assert backend_name(torch.device("cuda"), torch.bfloat16) == "triton"
