@@ -78,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (the Triton kernels)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--kernel-backend", choices=["triton", "cpu", "torch"],
+                        help="as the executor's (default: triton on a GPU, else cpu where it builds)")
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per side; medians are reported")
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batches = [int(b) for b in args.batches.split(",")]
     # in process: the decode-step timing below runs the LLM's own model on a runner of its own
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(batches), max_num_batched_tokens=2048,
-              executor="thread")
+              executor="thread", kernel_backend=args.kernel_backend)
     source = resolve_model(args.model)
     hf_kwargs: dict[str, Any] = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
     folder = source.path.parent if source.kind == "gguf" else source.path

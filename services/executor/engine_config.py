@@ -10,6 +10,7 @@ is one slot).
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 
@@ -35,7 +36,7 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     dtype = DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    backend = get_backend(backend_name(device, dtype))
+    backend = get_backend(check_backend(config.kernel_backend, device, dtype) or backend_name(device, dtype))
     source = resolve_model(config.model)
     model, model_config = load_model(source, dtype, device, backend)
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
@@ -66,6 +67,20 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:
         kernel_backend=backend.name, kv_layout=config.kv_layout,
     )
     return runner, info
+
+
+def check_backend(name: str | None, device: torch.device, dtype: torch.dtype) -> BackendName | None:
+    """The backend asked for (`--kernel-backend`), refused where it cannot run; None when none was asked for.
+    get_backend refuses one this machine cannot build or run (no compiler, no GPU) with the reason."""
+    if name is None:
+        return None
+    if name == "cpu" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"kernel backend 'cpu' runs in float32 on the CPU, not {dtype} on {device}")
+    if name == "triton" and device.type != "cuda":
+        raise ValueError(f"kernel backend 'triton' runs on a CUDA device, not {device}")
+    if name not in ("triton", "cpu", "torch"):
+        raise ValueError(f"unknown kernel backend {name!r}")
+    return cast(BackendName, name)
 
 
 def backend_name(device: torch.device, dtype: torch.dtype) -> BackendName:

@@ -16,6 +16,8 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 # per sequence, reserved at max_model_len, memory committed page by page as it grows (docs/layouts.md);
 # static: one max_model_len slot per sequence, committed up front (the baseline paging replaced)
 KV_LAYOUTS = ("paged", "virtual", "static")
+# triton: the GPU kernels; cpu: torch with decode attention in C (fp32 on the CPU); torch: the references
+KERNEL_BACKENDS = ("triton", "cpu", "torch")
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class ExecutorConfig:
     max_num_batched_tokens: int = 2048  # the largest step, profiled on a GPU
     num_threads: int = 0  # torch's CPU threads; 0: torch's default (all physical cores)
     kv_layout: str = "paged"  # one of KV_LAYOUTS
+    kernel_backend: str | None = None  # one of KERNEL_BACKENDS; default: triton on a GPU, else cpu where it builds
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> ExecutorConfig:
@@ -39,7 +42,7 @@ class ExecutorConfig:
             model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_mib * MiB, gpu_memory_utilization=args.gpu_memory_utilization,
             num_blocks=args.num_blocks, cpu_swap_bytes=args.cpu_swap_mib * MiB, max_model_len=args.max_model_len,
-            num_threads=args.threads, kv_layout=args.kv_layout,
+            num_threads=args.threads, kv_layout=args.kv_layout, kernel_backend=args.kernel_backend,
         )
 
     def to_argv(self) -> list[str]:
@@ -51,7 +54,7 @@ class ExecutorConfig:
                 "--gpu-memory-utilization", str(self.gpu_memory_utilization), "--threads", str(self.num_threads),
                 "--kv-layout", self.kv_layout]
         for flag, value in (("--dtype", self.dtype), ("--device", self.device), ("--num-blocks", self.num_blocks),
-                            ("--max-model-len", self.max_model_len)):
+                            ("--max-model-len", self.max_model_len), ("--kernel-backend", self.kernel_backend)):
             if value is not None:
                 argv += [flag, str(value)]
         return argv
@@ -73,6 +76,9 @@ def add_executor_arguments(parser: argparse.ArgumentParser) -> None:
                         help="paged blocks (shared prefixes, copy-on-write); virtual: a contiguous region per"
                              " sequence, memory committed page by page (block size = tokens per page, no"
                              " sharing, no swap); static: a max-model-len slot per sequence (docs/layouts.md)")
+    parser.add_argument("--kernel-backend", choices=KERNEL_BACKENDS,
+                        help="triton (GPU), cpu (fp32 on the CPU: decode attention in C, built at start) or torch"
+                             " (default: triton on a GPU; on the CPU cpu where a C compiler builds it, else torch)")
     # In a pod the executor shares the CPU with the frontend and block manager; an OpenMP team that
     # expects every core stalls at each barrier when one of its threads is descheduled (seen here: 10x).
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),

@@ -69,13 +69,16 @@ class LLM:
         executor: Literal["process", "thread"] = "process",
         threads: int = 0,
         kv_layout: Literal["paged", "virtual", "static"] = "paged",
+        kernel_backend: Literal["triton", "cpu", "torch"] | None = None,
     ) -> None:
         """`threads`: the model's torch CPU threads (0: torch's default, all physical cores). `kv_layout`: paged
-        blocks, or a region per sequence (virtual; static) that shares nothing (docs/layouts.md)."""
+        blocks, or a region per sequence (virtual; static) that shares nothing (docs/layouts.md). `kernel_backend`:
+        as the executor's `--kernel-backend` (default: triton on a GPU, else the C decode attention where it
+        builds)."""
         config = ExecutorConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, kv_cache_bytes=kv_cache_mib << 20,
             num_blocks=num_blocks, cpu_swap_bytes=cpu_swap_mib << 20, max_model_len=max_model_len,
-            num_threads=threads, kv_layout=kv_layout,
+            num_threads=threads, kv_layout=kv_layout, kernel_backend=kernel_backend,
         )
         self.executor_process: ServiceProcess | None = None
         self._close: Callable[[], object] = lambda: None

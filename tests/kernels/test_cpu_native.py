@@ -137,3 +137,32 @@ def test_the_executor_takes_it_on_the_cpu_in_fp32() -> None:
     assert backend_name(cpu, torch.float32) == "cpu"
     assert backend_name(cpu, torch.bfloat16) == "torch"  # the C kernel reads fp32 caches only
     assert backend_name(torch.device("cuda"), torch.bfloat16) == "triton"
+
+
+def test_a_kernel_backend_asked_for_is_checked_against_the_device_and_dtype() -> None:
+    from pagedserve.services.executor.engine_config import check_backend
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert check_backend(None, cpu, torch.float32) is None  # then the default decides
+    assert check_backend("torch", cpu, torch.float32) == "torch"
+    assert check_backend("cpu", cpu, torch.float32) == "cpu"
+    with pytest.raises(ValueError, match="float32 on the CPU"):
+        check_backend("cpu", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 on the CPU"):
+        check_backend("cpu", cuda, torch.float32)
+    with pytest.raises(ValueError, match="CUDA device"):
+        check_backend("triton", cpu, torch.float32)
+
+
+def test_the_executor_flag_round_trips_through_its_argv() -> None:
+    import argparse
+
+    from pagedserve.services.executor.options import ExecutorConfig, add_executor_arguments
+
+    parser = argparse.ArgumentParser()
+    add_executor_arguments(parser)
+    for backend in (None, "torch", "cpu"):
+        config = ExecutorConfig(kernel_backend=backend, num_threads=1)
+        assert ExecutorConfig.from_args(parser.parse_args(config.to_argv())) == config
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kernel-backend", "cuda"])
