@@ -55,15 +55,18 @@ def _library() -> ctypes.CDLL | str:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return "no C compiler (cc, gcc, or $CC) on PATH"
-    with tempfile.TemporaryDirectory(prefix="pagedserve-kernel-") as directory:
-        target = Path(directory) / "paged_decode_attention_cpu.so"
-        try:
-            subprocess.run([compiler, *CFLAGS, "-o", str(target), str(SOURCE)], check=True, capture_output=True,
-                           text=True, timeout=BUILD_TIMEOUT_S)
-        except (OSError, subprocess.SubprocessError) as error:
-            detail = getattr(error, "stderr", "") or str(error)
-            return f"{compiler} could not build {SOURCE.name}: {detail.strip()[-500:]}"
-        library = ctypes.CDLL(str(target))  # mapped: the file may go with its directory
+    try:
+        with tempfile.TemporaryDirectory(prefix="pagedserve-kernel-") as directory:
+            target = Path(directory) / "paged_decode_attention_cpu.so"
+            try:
+                subprocess.run([compiler, *CFLAGS, "-o", str(target), str(SOURCE)], check=True, capture_output=True,
+                               text=True, timeout=BUILD_TIMEOUT_S)
+            except (OSError, subprocess.SubprocessError) as error:
+                detail = getattr(error, "stderr", "") or str(error)
+                return f"{compiler} could not build {SOURCE.name}: {detail.strip()[-500:]}"
+            library = ctypes.CDLL(str(target))  # mapped: the file may go with its directory
+    except OSError as error:  # no writable temporary directory, or one mounted noexec
+        return f"could not build and load {SOURCE.name} in {tempfile.gettempdir()}: {error}"
     if len(_openmp_runtimes()) > 1:  # the library brought a second runtime: its threads would fight torch's
         return f"two OpenMP runtimes would be loaded: {', '.join(sorted(_openmp_runtimes()))}"
     function = library.paged_decode_attention_f32

@@ -166,3 +166,21 @@ def test_the_executor_flag_round_trips_through_its_argv() -> None:
         assert ExecutorConfig.from_args(parser.parse_args(config.to_argv())) == config
     with pytest.raises(SystemExit):
         parser.parse_args(["--kernel-backend", "cuda"])
+
+
+def test_a_temporary_directory_mounted_noexec_is_a_reason_not_a_crash() -> None:
+    # A stand-in for the fault (mounting a noexec tmpfs needs privileges a test must not use): dlopen of the
+    # built library fails as it does on a hardened pod's noexec /tmp.
+    code = """
+        import ctypes
+        import torch  # loads its own libraries through ctypes first
+        def refuse(path, *args, **kwargs):
+            raise OSError(f"{path}: failed to map segment from shared object")
+        ctypes.CDLL = refuse
+        from pagedserve import kernels
+        print(kernels.cpu_unavailable_reason())
+    """
+    result = run_python(code, {})
+    assert result.returncode == 0, result.stderr
+    assert "could not build and load paged_decode_attention_cpu.c" in result.stdout
+    assert "failed to map segment" in result.stdout
