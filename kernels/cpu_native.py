@@ -2,9 +2,10 @@
 
 The source is compiled once per process on the machine that runs it (`-march=native`: the AVX2 or AVX-512
 of this CPU; ~0.3 s), into a private temporary directory removed once loaded, so no stale build is ever
-shared between machines. Its OpenMP loop runs on torch's own OpenMP runtime (the same `libgomp.so.1`, already
-loaded by torch), so `torch.set_num_threads` governs it too; where that cannot be arranged, or no C compiler
-is found, `cpu_unavailable_reason` says why and the executor keeps the torch path.
+shared between machines. Its OpenMP loop runs on torch's own OpenMP runtime (the same `libgomp.so.1`,
+already loaded by torch), with as many threads as `torch.get_num_threads()` gives on the calling thread:
+what torch's own ops use there (an OpenMP thread count is per thread). Where that cannot be arranged, or no
+C compiler is found, `cpu_unavailable_reason` says why and the executor keeps the torch path.
 
 Against the torch path at 64 sequences of ~80 tokens (SmolLM2-135M's 9 query / 3 KV heads of 64, caches
 cold): 1.58 -> 1.00 ms per layer on one thread, 0.88 -> 0.52 on two (docs/kernels.md).
@@ -35,7 +36,7 @@ ERRORS = {  # the kernel's return codes
 }
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES: list[type[ctypes.c_int64 | ctypes.c_void_p | ctypes.c_float]] = [
-    _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_float,
+    _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_float, _I64,
 ]
 
 
@@ -112,7 +113,7 @@ def paged_decode_attention_cpu(
     status = library.paged_decode_attention_f32(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), cache.num_blocks, cache.block_size,
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
-        cache.num_kv_heads, head_dim, scale,
+        cache.num_kv_heads, head_dim, scale, torch.get_num_threads(),
     )
     if status:
         raise ValueError(ERRORS.get(status, f"the kernel failed with code {status}"))

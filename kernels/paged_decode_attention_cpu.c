@@ -51,7 +51,8 @@ int paged_decode_attention_f32(
     const int32_t *block_tables, int64_t max_blocks, /* [num_seqs, max_blocks] contiguous */
     const int32_t *seq_lens,                         /* [num_seqs] */
     float *out,                                      /* [num_seqs, num_heads, head_dim] contiguous */
-    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale)
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+    int64_t num_threads) /* torch.get_num_threads() of the calling thread: what torch's own ops use there */
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row_len = num_kv_heads * head_dim; /* one position: every KV head */
@@ -61,7 +62,8 @@ int paged_decode_attention_f32(
         if (seq_lens[s] > max_len) max_len = seq_lens[s];
     }
     int status = OK;
-#pragma omp parallel
+    const int team = (int)(num_threads < num_seqs ? num_threads : num_seqs > 0 ? num_seqs : 1);
+#pragma omp parallel num_threads(team)
     {
         float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_len)); /* [num_heads, len] */
         float *queries = malloc(sizeof(float) * (size_t)(num_heads * head_dim));
