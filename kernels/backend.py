@@ -8,6 +8,7 @@ at once, with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -94,13 +95,8 @@ TORCH_BACKEND = KernelBackend(
     copy_blocks=copy_blocks_ref,
 )
 
-CPU_BACKEND = KernelBackend(
-    name="cpu",
-    decode_attention=paged_decode_attention_cpu,
-    prefill_attention=paged_prefill_attention_ref,
-    cache_write=cache_write_ref,
-    copy_blocks=copy_blocks_ref,
-)
+# the torch references, but decode attention in C
+CPU_BACKEND = dataclasses.replace(TORCH_BACKEND, name="cpu", decode_attention=paged_decode_attention_cpu)
 
 
 def triton_unavailable_reason() -> str | None:
