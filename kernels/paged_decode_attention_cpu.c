@@ -1,10 +1,11 @@
 /* Decode attention over a paged fp32 KV cache on the CPU: one query token per sequence.
  *
  * Built at first use on the machine that runs it (-O3 -march=native -fopenmp, kernels/cpu_native.py) and
- * called through ctypes with raw pointers. One OpenMP task per sequence: it reads each of its positions'
- * key rows (every KV head of a position is one contiguous row of the cache) once, with the rows a few
- * positions ahead prefetched (keys and values both, so the value pass finds them in the cache), then a
- * softmax per query head, then each value row once. The torch path gathers the keys into a padded copy
+ * called through ctypes with raw pointers. One OpenMP task per sequence (per sequence and KV head when
+ * there are fewer sequences than threads): it reads each of its positions' key rows (every KV head of a
+ * position is one contiguous row of the cache) once, with the rows a few positions ahead prefetched (keys
+ * and values both, so the value pass finds them in the cache), then a softmax per query head, then each
+ * value row once. The torch path gathers the keys into a padded copy
  * and sums the values through embedding_bag: two passes over memory per tensor, and this is one.
  *
  * Memory safety is checked here, not trusted to the caller: a block id outside the cache or a length past
@@ -61,11 +62,16 @@ int paged_decode_attention_f32(
         if (seq_lens[s] < 0 || seq_lens[s] > max_blocks * block_size) return BAD_LENGTH;
         if (seq_lens[s] > max_len) max_len = seq_lens[s];
     }
+    /* One task per sequence, all its KV heads (a position's keys are one row); with fewer sequences than
+       threads, one per (sequence, KV head), so that a lone long sequence still uses every thread. */
+    const int64_t heads_per_task = num_seqs >= num_threads ? num_kv_heads : 1;
+    const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
+    const int64_t num_tasks = num_seqs * tasks_per_seq;
+    const int team = (int)(num_threads < num_tasks ? num_threads : num_tasks > 0 ? num_tasks : 1);
     int status = OK;
-    const int team = (int)(num_threads < num_seqs ? num_threads : num_seqs > 0 ? num_seqs : 1);
 #pragma omp parallel num_threads(team)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_len)); /* [num_heads, len] */
+        float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_len)); /* [query heads, len] */
         float *queries = malloc(sizeof(float) * (size_t)(num_heads * head_dim));
         float *acc = malloc(sizeof(float) * (size_t)(num_heads * head_dim));
         int64_t *rows = malloc(sizeof(int64_t) * (size_t)max_len); /* each position's row offset in the cache */
@@ -75,11 +81,13 @@ int paged_decode_attention_f32(
             status = NO_MEMORY;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t s = 0; s < num_seqs; s++) {
+        for (int64_t task = 0; task < num_tasks; task++) {
+            const int64_t s = task / tasks_per_seq, h0 = task % tasks_per_seq * heads_per_task;
+            const int64_t h1 = h0 + heads_per_task, nq = heads_per_task * group; /* query heads of the task */
             const int64_t len = seq_lens[s];
-            float *o = out + s * num_heads * head_dim;
+            float *o = out + (s * num_heads + h0 * group) * head_dim;
             if (!have_memory || len == 0) { /* attention over nothing is 0 */
-                memset(o, 0, sizeof(float) * (size_t)(num_heads * head_dim));
+                memset(o, 0, sizeof(float) * (size_t)(nq * head_dim));
                 continue;
             }
             const int32_t *table = block_tables + s * max_blocks;
@@ -88,24 +96,24 @@ int paged_decode_attention_f32(
                 const int64_t block = table[b];
                 bad |= block < 0 || block >= num_blocks;
                 for (int64_t offset = 0; offset < block_size && t < len; offset++, t++)
-                    rows[t] = (block * block_size + offset) * row_len;
+                    rows[t] = (block * block_size + offset) * row_len + h0 * head_dim;
             }
             if (bad) {
 #pragma omp atomic write
                 status = BAD_BLOCK;
                 continue;
             }
-            const float *qs = q + s * q_seq_stride;
-            for (int64_t i = 0; i < num_heads * head_dim; i++) queries[i] = qs[i] * scale;
+            const float *qs = q + s * q_seq_stride + h0 * group * head_dim;
+            for (int64_t i = 0; i < nq * head_dim; i++) queries[i] = qs[i] * scale;
 
             for (int64_t t = 0; t < len; t++) {
                 if (t + PREFETCH_AHEAD < len) {
-                    prefetch_row(k_cache + rows[t + PREFETCH_AHEAD], row_len);
-                    prefetch_row(v_cache + rows[t + PREFETCH_AHEAD], row_len);
+                    prefetch_row(k_cache + rows[t + PREFETCH_AHEAD], heads_per_task * head_dim);
+                    prefetch_row(v_cache + rows[t + PREFETCH_AHEAD], heads_per_task * head_dim);
                 }
                 const float *k = k_cache + rows[t];
-                for (int64_t h = 0, hq = 0; h < num_kv_heads; h++) {
-                    const float *kh = k + h * head_dim;
+                for (int64_t h = h0, hq = 0; h < h1; h++) {
+                    const float *kh = k + (h - h0) * head_dim;
                     for (int64_t g = 0; g < group; g++, hq++) {
                         const float *qh = queries + hq * head_dim;
                         float dot = 0.f;
@@ -115,7 +123,7 @@ int paged_decode_attention_f32(
                     }
                 }
             }
-            for (int64_t hq = 0; hq < num_heads; hq++) {
+            for (int64_t hq = 0; hq < nq; hq++) {
                 float *p = scores + hq * len, top = p[0], sum = 0.f;
 #pragma omp simd reduction(max : top)
                 for (int64_t t = 1; t < len; t++) top = p[t] > top ? p[t] : top;
@@ -127,11 +135,11 @@ int paged_decode_attention_f32(
                 const float inv = 1.f / sum;
                 for (int64_t t = 0; t < len; t++) p[t] *= inv;
             }
-            memset(acc, 0, sizeof(float) * (size_t)(num_heads * head_dim));
+            memset(acc, 0, sizeof(float) * (size_t)(nq * head_dim));
             for (int64_t t = 0; t < len; t++) {
                 const float *v = v_cache + rows[t];
-                for (int64_t h = 0, hq = 0; h < num_kv_heads; h++) {
-                    const float *vh = v + h * head_dim;
+                for (int64_t h = h0, hq = 0; h < h1; h++) {
+                    const float *vh = v + (h - h0) * head_dim;
                     for (int64_t g = 0; g < group; g++, hq++) {
                         const float p = scores[hq * len + t];
                         float *a = acc + hq * head_dim;
@@ -140,7 +148,7 @@ int paged_decode_attention_f32(
                     }
                 }
             }
-            memcpy(o, acc, sizeof(float) * (size_t)(num_heads * head_dim));
+            memcpy(o, acc, sizeof(float) * (size_t)(nq * head_dim));
         }
         free(scores);
         free(queries);
