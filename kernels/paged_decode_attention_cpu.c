@@ -21,7 +21,7 @@ enum { OK = 0, BAD_BLOCK = 1, BAD_LENGTH = 2, NO_MEMORY = 3 };
 
 /* exp(x) for x <= 0 (a score minus its row's maximum), in arithmetic the compiler vectorizes (libm's expf is
  * a call per element without -ffast-math): 2^n * exp(r), n = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by
- * Cephes' degree-6 polynomial (~1 ulp). Below -87.3 (exp < 1.2e-38, nothing next to the maximum's 1) it
+ * Cephes' degree-6 polynomial (within 1.5 ulp of exp on [-87, 0]). Below -87.3 (exp < 1.2e-38, nothing next to the maximum's 1) it
  * clamps, so 2^n stays a normal float. */
 static inline float exp_nonpositive(float x) {
     x = x < -87.3f ? -87.3f : x;
@@ -34,7 +34,12 @@ static inline float exp_nonpositive(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.f;
-    const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n */
+    /* 2^n from the bits, not by converting to an integer (undefined for NaN, which must stay NaN): n + 127
+       (1..127) sits in the low mantissa bits of n + 127 + 1.5 * 2^23 */
+    const float biased = n + 12583039.f;
+    uint32_t bits;
+    memcpy(&bits, &biased, sizeof bits);
+    bits = (bits & 0xffu) << 23;
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return p * two_n;

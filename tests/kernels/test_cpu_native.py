@@ -186,3 +186,14 @@ def test_a_temporary_directory_mounted_noexec_is_a_reason_not_a_crash() -> None:
     assert result.returncode == 0, result.stderr
     assert "could not build and load paged_decode_attention_cpu.c" in result.stdout
     assert "failed to map segment" in result.stdout
+
+
+def test_a_nan_query_gives_nan_as_the_torch_path_does_and_touches_no_other_sequence() -> None:
+    q, k_cache, v_cache, tables, lens = small_case()
+    q = q.clone()
+    q[0, 1, 3] = float("nan")  # a diverged model: its attention must show it, not turn it into numbers
+    out = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 1.0)
+    reference = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 1.0)
+    assert torch.isnan(out[0, 1]).all() and torch.isnan(reference[0, 1]).all()
+    torch.testing.assert_close(out[0, 0], reference[0, 0])
+    torch.testing.assert_close(out[1], reference[1])
