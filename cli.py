@@ -25,6 +25,7 @@ COMMANDS = {
 BENCHMARKS = {
     "autoscale": ("pagedserve.benchmarks.autoscale", "a simulated day: the scaling policy vs static and HPA"),
     "blocks": ("pagedserve.benchmarks.blocks", "block-manager utilization and step latency"),
+    "cpu-attention": ("pagedserve.benchmarks.cpu_attention", "CPU decode attention: the C kernel vs the torch path"),
     "executor": ("pagedserve.benchmarks.executor", "generation throughput vs HF transformers generate()"),
     "kernels": ("pagedserve.benchmarks.kernels", "paged decode attention bandwidth and speed vs SDPA"),
     "layouts": ("pagedserve.benchmarks.layouts", "paged vs virtual-memory vs static KV layouts at one KV budget"),

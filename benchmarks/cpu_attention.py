@@ -1,0 +1,113 @@
+"""`pagedserve bench cpu-attention`: the CPU's decode attention, the C kernel against the torch path.
+
+One layer of decode attention over a paged fp32 cache, per shape (sequences x context tokens, SmolLM2's 9
+query / 3 KV heads of 64 by default, block size 16) and thread count: `torch_ms` is the torch path
+(`paged_decode_attention_gathered`, its gather plan built once outside the timing, as the executor does per
+step), `c_ms` the C kernel (`paged_decode_attention_cpu`, the `cpu` backend), `speedup` their ratio. Each
+round calls both on `--layers` layers whose caches hold 4x the blocks the shape needs, shuffled, so that
+most reads come from DRAM as in a step; the two alternate round by round (medians of `--rounds`), and
+`max_abs_diff` compares their outputs.
+
+    pagedserve bench cpu-attention --json [--shapes 64x80,1x2000] [--threads 1,2] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .report import emit
+
+SHAPES = "64x80,64x512,8x500,1x2000"
+BLOCK_SIZE = 16
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in text.split(","):
+        seqs, _, context = item.partition("x")
+        shapes.append((int(seqs), int(context)))
+    return shapes
+
+
+def bench_shape(num_seqs: int, context: int, args: argparse.Namespace, generator: torch.Generator
+                ) -> dict[str, Any]:
+    from ..kernels import decode_gather, paged_decode_attention_cpu, paged_decode_attention_gathered
+
+    heads, kv_heads, head_dim = args.heads, args.kv_heads, args.head_dim
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = 4 * num_seqs * blocks_per_seq
+    shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+    caches = [(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+              for _ in range(args.layers)]
+    tables = torch.randperm(num_blocks, generator=generator)[: num_seqs * blocks_per_seq]
+    tables = tables.view(num_seqs, blocks_per_seq).int().contiguous()
+    lens = torch.full((num_seqs,), context, dtype=torch.int32)
+    q = torch.randn(num_seqs, heads + 2 * kv_heads, head_dim, generator=generator)[:, :heads]  # as the model's
+    scale = head_dim**-0.5
+    gather = decode_gather(tables, lens, BLOCK_SIZE, kv_heads, context, heads)
+
+    def torch_path(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return paged_decode_attention_gathered(q, k, v, gather, scale)
+
+    def c_kernel(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return paged_decode_attention_cpu(q, k, v, tables, lens, scale)
+
+    diff = (torch_path(*caches[0]) - c_kernel(*caches[0])).abs().max().item()
+    result: dict[str, Any] = {"max_abs_diff": diff}
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        times: dict[str, list[float]] = {"torch": [], "c": []}
+        for _ in range(args.rounds):
+            for name, fn in (("torch", torch_path), ("c", c_kernel)):
+                start = time.perf_counter()
+                for k, v in caches:
+                    fn(k, v)
+                times[name].append((time.perf_counter() - start) / args.layers * 1e3)
+        torch_ms, c_ms = statistics.median(times["torch"]), statistics.median(times["c"])
+        result[f"threads_{threads}"] = {"torch_ms": round(torch_ms, 4), "c_ms": round(c_ms, 4),
+                                        "speedup": round(torch_ms / c_ms, 3)}
+    return result
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ..kernels import cpu_unavailable_reason
+
+    reason = cpu_unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"the C kernel is unavailable here: {reason}")
+    threads_before = torch.get_num_threads()
+    args.threads = args.threads or sorted({1, threads_before})
+    generator = torch.Generator().manual_seed(0)
+    result: dict[str, Any] = {
+        "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "block_size": BLOCK_SIZE,
+        "layers": args.layers, "rounds": args.rounds, "threads": args.threads,
+    }
+    try:
+        for num_seqs, context in parse_shapes(args.shapes):
+            result[f"{num_seqs}x{context}"] = bench_shape(num_seqs, context, args, generator)
+    finally:
+        torch.set_num_threads(threads_before)
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.add_argument("--out", type=Path, help="also write the JSON object to this file")
+    parser.add_argument("--shapes", default=SHAPES, help="comma-separated SEQUENCESxCONTEXT")
+    parser.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")],
+                        help="comma-separated torch thread counts (default: 1 and torch's default)")
+    parser.add_argument("--heads", type=int, default=9, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=8, help="layers (caches) per round")
+    parser.add_argument("--rounds", type=int, default=12, help="alternating rounds; medians are reported")
+
+
+def main(args: argparse.Namespace) -> None:
+    emit(run(args), args)
