@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..services.executor.options import KERNEL_BACKENDS
 from .report import emit
 
 TEXTS = [
@@ -78,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (the Triton kernels)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--kernel-backend", choices=["triton", "cpu", "torch"],
+    parser.add_argument("--kernel-backend", choices=KERNEL_BACKENDS,
                         help="as the executor's (default: triton on a GPU, else cpu where it builds)")
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--new-tokens", type=int, default=64)

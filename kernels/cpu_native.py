@@ -68,8 +68,9 @@ def _library() -> ctypes.CDLL | str:
             library = ctypes.CDLL(str(target))  # mapped: the file may go with its directory
     except OSError as error:  # no writable temporary directory, or one mounted noexec
         return f"could not build and load {SOURCE.name} in {tempfile.gettempdir()}: {error}"
-    if len(_openmp_runtimes()) > 1:  # the library brought a second runtime: its threads would fight torch's
-        return f"two OpenMP runtimes would be loaded: {', '.join(sorted(_openmp_runtimes()))}"
+    runtimes = _openmp_runtimes()
+    if len(runtimes) > 1:  # the library brought a second runtime: its threads would fight torch's
+        return f"two OpenMP runtimes would be loaded: {', '.join(sorted(runtimes))}"
     function = library.paged_decode_attention_f32
     function.restype, function.argtypes = ctypes.c_int, _ARGTYPES
     return library

@@ -10,7 +10,7 @@ is one slot).
 from __future__ import annotations
 
 import logging
-from typing import cast
+from typing import cast, get_args
 
 import torch
 
@@ -20,7 +20,7 @@ from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .model.loader import load_model
 from .model.registry import resolve_model
-from .options import DTYPE_NAMES, KV_LAYOUTS, ExecutorConfig, MiB
+from .options import DTYPE_NAMES, KERNEL_BACKENDS, KV_LAYOUTS, ExecutorConfig, MiB
 from .runner import ModelRunner, kv_bytes_per_block
 from .step_types import GREEDY, ExecutorInfo, SequenceInput, StepInput
 from .virtual_kv import SequenceKV, StaticKV, VirtualKV, os_page_size, tokens_per_page, transparent_hugepages
@@ -28,6 +28,7 @@ from .virtual_kv import SequenceKV, StaticKV, VirtualKV, os_page_size, tokens_pe
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 assert sorted(DTYPES) == sorted(DTYPE_NAMES), "options.DTYPE_NAMES and the torch dtypes disagree"
+assert get_args(BackendName) == KERNEL_BACKENDS, "options.KERNEL_BACKENDS and kernels.BackendName disagree"
 
 
 def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:
@@ -78,7 +79,7 @@ def check_backend(name: str | None, device: torch.device, dtype: torch.dtype) ->
         raise ValueError(f"kernel backend 'cpu' runs in float32 on the CPU, not {dtype} on {device}")
     if name == "triton" and device.type != "cuda":
         raise ValueError(f"kernel backend 'triton' runs on a CUDA device, not {device}")
-    if name not in ("triton", "cpu", "torch"):
+    if name not in KERNEL_BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}")
     return cast(BackendName, name)
 
