@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import functools
 import statistics
 import time
@@ -170,11 +171,14 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, br
         matmuls()
         matmul_s.append(time.perf_counter() - start)
     step_ms, matmul_ms = 1000 * statistics.median(step_s), 1000 * statistics.median(matmul_s)
+    # the ratio of each step to the matmuls timed right after it: load elsewhere that drifts over the run
+    # slows both sides of a pair alike
+    ratio = statistics.median(step / matmul for step, matmul in zip(step_s, matmul_s, strict=True))
     n = num_seqs
     result: dict[str, Any] = {
-        "kernel_backend": served.backend.name,  # "cpu": decode attention in C; "torch": the torch path
+        "kernel_backend": served.backend.name,  # "cpu": the C kernels (kernels/cpu_native.py); "torch": torch's ops
         f"decode_context_{n}": context, f"decode_step_ms_{n}": round(step_ms, 2),
-        f"decode_matmul_ms_{n}": round(matmul_ms, 2), f"decode_step_over_matmul_{n}": round(step_ms / matmul_ms, 3),
+        f"decode_matmul_ms_{n}": round(matmul_ms, 2), f"decode_step_over_matmul_{n}": round(ratio, 3),
     }
     if breakdown:
         parts: dict[str, list[float]] = collections.defaultdict(list)
@@ -215,16 +219,20 @@ def _section_timers(model: Any) -> Iterator[collections.defaultdict[str, float]]
         modules += [(lin, "forward", "matmul: linear layers") for lin in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         modules += [(norm, "forward", "RMSNorm") for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
-    functions = [(llama_module, "paged_attention", "attention"), (llama_module, "apply_rope", "rotary"),
-                 (runner_module, "sample", "sampling"), (runner_module, "build_attention_metadata", "metadata")]
+    functions = [(llama_module, "paged_attention", "attention"), (runner_module, "sample", "sampling"),
+                 (runner_module, "build_attention_metadata", "metadata")]
     for owner, attr, name in modules:
         setattr(owner, attr, timed(name, getattr(owner, attr)))  # an instance attribute over the class's method
     originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in functions]
     for owner, attr, name in functions:
         setattr(owner, attr, timed(name, getattr(owner, attr)))
+    backend = model.backend
+    model.use_backend(dataclasses.replace(backend, rotary=timed("rotary", backend.rotary),
+                                          silu_and_mul=timed("SiLU * up", backend.silu_and_mul)))
     try:
         yield seconds
     finally:
+        model.use_backend(backend)
         for owner, attr, _ in modules:
             delattr(owner, attr)
         for owner, attr, fn in originals:
@@ -233,10 +241,11 @@ def _section_timers(model: Any) -> Iterator[collections.defaultdict[str, float]]
 
 def _breakdown(seconds: collections.defaultdict[str, float]) -> dict[str, float]:
     """The timed parts, and what is left of the forward pass and of the step once they are taken out."""
-    names = ("matmul: linear layers", "matmul: LM head", "attention", "RMSNorm", "rotary", "sampling", "metadata")
+    names = ("matmul: linear layers", "matmul: LM head", "attention", "RMSNorm", "rotary", "SiLU * up", "sampling",
+             "metadata")
     parts = {name: seconds[name] for name in names}
-    in_forward = ("matmul: linear layers", "attention", "RMSNorm", "rotary")
-    parts["forward, other (embedding, residual adds, SiLU*mul, views)"] = (
+    in_forward = ("matmul: linear layers", "attention", "RMSNorm", "rotary", "SiLU * up")
+    parts["forward, other (embedding, residual adds, views)"] = (
         seconds["forward"] - sum(parts[name] for name in in_forward))
     parts["runner, other (batch, Python)"] = seconds["step"] - seconds["forward"] - sum(
         parts[name] for name in ("matmul: LM head", "sampling", "metadata"))

@@ -1,9 +1,9 @@
 """The explicit choice between the Triton kernels and their torch references.
 
 The executor asks for one backend once (`get_backend("triton")` on CUDA; on the CPU `get_backend("cpu")`,
-the torch references with decode attention in C, where a C compiler builds it, else `get_backend("torch")`)
-and calls it for every layer. There is no silent fallback: asking for a backend where it cannot run raises
-at once, with the reason.
+the torch references with decode attention and the per-token layer ops in C, where a C compiler builds
+them, else `get_backend("torch")`) and calls it for every layer. There is no silent fallback: asking for a
+backend where it cannot run raises at once, with the reason.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import torch
 from ._triton import TRITON_AVAILABLE
 from .block_copy import copy_blocks, copy_blocks_ref
 from .cache_write import cache_write, cache_write_ref
+from .cpu_layer_ops import cache_write_cpu, rms_norm_cpu, rotary_cpu, silu_and_mul_cpu
 from .cpu_native import cpu_unavailable_reason, paged_decode_attention_cpu
+from .layer_ops import rms_norm_ref, rotary_ref, silu_and_mul_ref
 from .paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from .paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
@@ -69,15 +71,30 @@ class CopyBlocksFn(Protocol):
     def __call__(self, caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None: ...
 
 
+class RmsNormFn(Protocol):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+
+class RotaryFn(Protocol):
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor: ...
+
+
+class SiluAndMulFn(Protocol):
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class KernelBackend:
-    """The four paged-cache ops the executor calls; shapes as in each op's module docstring."""
+    """The paged-cache ops and the per-token layer ops the model calls; shapes as in each op's module."""
 
     name: BackendName
     decode_attention: DecodeAttentionFn
     prefill_attention: PrefillAttentionFn
     cache_write: CacheWriteFn
     copy_blocks: CopyBlocksFn
+    rms_norm: RmsNormFn = rms_norm_ref
+    rotary: RotaryFn = rotary_ref
+    silu_and_mul: SiluAndMulFn = silu_and_mul_ref
 
 
 TRITON_BACKEND = KernelBackend(
@@ -95,8 +112,11 @@ TORCH_BACKEND = KernelBackend(
     copy_blocks=copy_blocks_ref,
 )
 
-# the torch references, but decode attention in C
-CPU_BACKEND = dataclasses.replace(TORCH_BACKEND, name="cpu", decode_attention=paged_decode_attention_cpu)
+# the torch references, but decode attention, the cache write and the per-token layer ops in C
+CPU_BACKEND = dataclasses.replace(
+    TORCH_BACKEND, name="cpu", decode_attention=paged_decode_attention_cpu, cache_write=cache_write_cpu,
+    rms_norm=rms_norm_cpu, rotary=rotary_cpu, silu_and_mul=silu_and_mul_cpu,
+)
 
 
 def triton_unavailable_reason() -> str | None:

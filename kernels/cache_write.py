@@ -57,7 +57,7 @@ def _cache_write_kernel(
     tl.store(v_cache_ptr + v_offs, tl.load(value_ptr + value_offs, mask=mask), mask=mask)
 
 
-def _check_cache_write_inputs(
+def check_cache_write_inputs(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     cache = check_kv_cache(k_cache, v_cache)
@@ -81,7 +81,7 @@ def cache_write(
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
     """Write token t's key and value to slot `slot_mapping[t]` of the caches, in place."""
-    _check_cache_write_inputs(key, value, k_cache, v_cache, slot_mapping)
+    check_cache_write_inputs(key, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -107,7 +107,7 @@ def cache_write_ref(
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
     """Torch reference and CPU path: one indexed copy per cache (any strides; contiguous caches are faster)."""
-    _check_cache_write_inputs(key, value, k_cache, v_cache, slot_mapping)
+    check_cache_write_inputs(key, value, k_cache, v_cache, slot_mapping)
     valid = slot_mapping >= 0
     if not bool(valid.all()):  # padding present: drop it (boolean indexing copies, so only when needed)
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]

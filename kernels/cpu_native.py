@@ -1,14 +1,15 @@
-"""Decode attention on the CPU in C (`paged_decode_attention_cpu.c`): built at first use, called through ctypes.
+"""The CPU's kernels in C, built at first use and called through ctypes: decode attention
+(`paged_decode_attention_cpu.c`) and a layer's per-token ops (`cpu_layer_ops.c`, wrapped in cpu_layer_ops.py).
 
-The source is compiled once per process on the machine that runs it (`-march=native`: the AVX2 or AVX-512
-of this CPU; ~0.3 s), into a private temporary directory removed once loaded, so no stale build is ever
-shared between machines. Its OpenMP loop runs on torch's own OpenMP runtime (the same `libgomp.so.1`,
-already loaded by torch), with as many threads as `torch.get_num_threads()` gives on the calling thread:
-what torch's own ops use there (an OpenMP thread count is per thread). Where that cannot be arranged, or no
-C compiler is found, `cpu_unavailable_reason` says why and the executor keeps the torch path.
+The sources are compiled once per process on the machine that runs them (`-march=native`: the AVX2 or
+AVX-512 of this CPU; ~0.5 s) into one library, in a private temporary directory removed once loaded, so no
+stale build is ever shared between machines. Its OpenMP loops run on torch's own OpenMP runtime (the same
+`libgomp.so.1`, already loaded by torch), with as many threads as `torch.get_num_threads()` gives on the
+calling thread: what torch's own ops use there (an OpenMP thread count is per thread). Where that cannot be
+arranged, or no C compiler is found, `cpu_unavailable_reason` says why and the executor keeps the torch path.
 
-Against the torch path at 64 sequences of ~80 tokens (SmolLM2-135M's 9 query / 3 KV heads of 64, caches
-cold): 1.58 -> 1.00 ms per layer on one thread, 0.88 -> 0.52 on two (docs/kernels.md).
+Decode attention against the torch path at 64 sequences of ~80 tokens (SmolLM2-135M's 9 query / 3 KV heads
+of 64, caches cold): 1.58 -> 1.00 ms per layer on one thread, 0.88 -> 0.52 on two (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from ._common import check_block_tables, check_kv_cache
 
-SOURCE = Path(__file__).with_name("paged_decode_attention_cpu.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention_cpu.c", "cpu_layer_ops.c"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 ERRORS = {  # the kernel's return codes
@@ -34,10 +35,15 @@ ERRORS = {  # the kernel's return codes
     2: "a sequence length is negative or longer than its block table",
     3: "the kernel could not allocate its scratch memory",
 }
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES: list[type[ctypes.c_int64 | ctypes.c_void_p | ctypes.c_float]] = [
-    _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_float, _I64,
-]
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+SIGNATURES: dict[str, tuple[type | None, list[type]]] = {  # each function's return and argument types
+    "paged_decode_attention_f32": (
+        ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32, _I64]),
+    "rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _I64]),
+    "rotary_f32": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]),
+    "silu_and_mul_f32": (None, [_PTR, _I64, _PTR, _I64, _I64, _I64]),
+    "cache_write_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]),
+}
 
 
 def cpu_unavailable_reason() -> str | None:
@@ -58,21 +64,30 @@ def _library() -> ctypes.CDLL | str:
         return "no C compiler (cc, gcc, or $CC) on PATH"
     try:
         with tempfile.TemporaryDirectory(prefix="pagedserve-kernel-") as directory:
-            target = Path(directory) / "paged_decode_attention_cpu.so"
+            target = Path(directory) / "pagedserve_cpu_kernels.so"
             try:
-                subprocess.run([compiler, *CFLAGS, "-o", str(target), str(SOURCE)], check=True, capture_output=True,
-                               text=True, timeout=BUILD_TIMEOUT_S)
+                subprocess.run([compiler, *CFLAGS, "-o", str(target), *map(str, SOURCES), "-lm"], check=True,
+                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             except (OSError, subprocess.SubprocessError) as error:
                 detail = getattr(error, "stderr", "") or str(error)
-                return f"{compiler} could not build {SOURCE.name}: {detail.strip()[-500:]}"
+                return f"{compiler} could not build the CPU kernels: {detail.strip()[-500:]}"
             library = ctypes.CDLL(str(target))  # mapped: the file may go with its directory
     except OSError as error:  # no writable temporary directory, or one mounted noexec
-        return f"could not build and load {SOURCE.name} in {tempfile.gettempdir()}: {error}"
+        return f"could not build and load the CPU kernels in {tempfile.gettempdir()}: {error}"
     runtimes = _openmp_runtimes()
     if len(runtimes) > 1:  # the library brought a second runtime: its threads would fight torch's
         return f"two OpenMP runtimes would be loaded: {', '.join(sorted(runtimes))}"
-    function = library.paged_decode_attention_f32
-    function.restype, function.argtypes = ctypes.c_int, _ARGTYPES
+    for name, (restype, argtypes) in SIGNATURES.items():
+        function = getattr(library, name)
+        function.restype, function.argtypes = restype, argtypes
+    return library
+
+
+def native_library() -> ctypes.CDLL:
+    """The loaded library; RuntimeError with the reason where it cannot be built or loaded here."""
+    library = _library()
+    if isinstance(library, str):
+        raise RuntimeError(f"kernel backend 'cpu' is unavailable: {library}")
     return library
 
 
@@ -93,9 +108,7 @@ def paged_decode_attention_cpu(
     max_seq_len: int | None = None,  # unused: the kernel sizes its scratch from seq_lens itself
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] fp32
     """Decode attention over an fp32 paged cache on the CPU; a sequence of length 0 attends to nothing (0)."""
-    library = _library()
-    if isinstance(library, str):
-        raise RuntimeError(f"kernel backend 'cpu' is unavailable: {library}")
+    library = native_library()
     num_seqs, num_heads, head_dim = q.shape
     cache = check_kv_cache(k_cache, v_cache)
     check_block_tables(block_tables, seq_lens, num_seqs)

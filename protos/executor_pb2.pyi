@@ -303,7 +303,7 @@ class InfoResponse(_message.Message):
     num_blocks: _builtins.int
     num_cpu_blocks: _builtins.int
     kernel_backend: _builtins.str
-    """"triton", "cpu" (torch with decode attention in C) or "torch" """
+    """"triton", "cpu" (torch with decode attention and per-token ops in C) or "torch" """
     epoch: _builtins.int
     """of the last Reset (0: none since it started)"""
     kv_layout: _builtins.str

@@ -41,8 +41,8 @@ step() {  # step NAME SECONDS COMMAND...: runs it, records its exit code
 : > "$OUT/steps.txt"
 bench() { "$PY" -m pagedserve bench "$@"; }
 
-# test_cpu_native.py is the CPU's C kernel (CI runs it): the GPU machine's image may have no C compiler
-step kernel-tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/kernels --ignore=tests/kernels/test_cpu_native.py
+# the CPU's C kernels (test_cpu_native.py, test_cpu_layer_ops.py): CI runs them; the GPU image may have no compiler
+step kernel-tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/kernels --ignore=tests/kernels/test_cpu_native.py --ignore=tests/kernels/test_cpu_layer_ops.py
 step kernels 60 bench kernels --json --out "$OUT/kernels.json"
 step model 90 bench model --device cuda --dtypes bfloat16,float16 --json --out "$OUT/model.json"
 step executor 90 bench executor --device cuda --dtype bfloat16 --repeats 1 --json --out "$OUT/executor.json"

@@ -16,7 +16,8 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 # per sequence, reserved at max_model_len, memory committed page by page as it grows (docs/layouts.md);
 # static: one max_model_len slot per sequence, committed up front (the baseline paging replaced)
 KV_LAYOUTS = ("paged", "virtual", "static")
-# triton: the GPU kernels; cpu: torch with decode attention in C (fp32 on the CPU); torch: the references
+# triton: the GPU kernels; cpu: torch with decode attention and per-token ops in C (fp32 on the CPU);
+# torch: the references
 KERNEL_BACKENDS = ("triton", "cpu", "torch")
 
 
@@ -77,7 +78,7 @@ def add_executor_arguments(parser: argparse.ArgumentParser) -> None:
                              " sequence, memory committed page by page (block size = tokens per page, no"
                              " sharing, no swap); static: a max-model-len slot per sequence (docs/layouts.md)")
     parser.add_argument("--kernel-backend", choices=KERNEL_BACKENDS,
-                        help="triton (GPU), cpu (fp32 on the CPU: decode attention in C, built at start) or torch"
+                        help="triton (GPU), cpu (fp32 on the CPU: C kernels built at start) or torch"
                              " (default: triton on a GPU; on the CPU cpu where a C compiler builds it, else torch)")
     # In a pod the executor shares the CPU with the frontend and block manager; an OpenMP team that
     # expects every core stalls at each barrier when one of its threads is descheduled (seen here: 10x).

@@ -113,18 +113,14 @@ def test_logits_equal_transformers_with_its_attention(
 ) -> None:
     """Everything but the attention kernel (dequantization, Q/K un-permutation, RoPE, norms, fused
     projections, tied head) reproduces transformers to the bit."""
-    attentions = [layer.self_attn for layer in model.layers]
-    paged_backend = attentions[0].backend
-    for attention in attentions:
-        attention.backend = transformers_attention_backend(paged_backend)
+    paged_backend = model.use_backend(transformers_attention_backend(model.backend))
     try:
         for prompt in prompts:
             ours = PagedRunner(model, num_blocks=64, block_size=16).step([(0, prompt)])[0]
             diff = (ours - hf_logits(hf_model, prompt)).abs().max().item()
             assert diff < EXACT_ATOL, f"max |logit diff| {diff:.2e} for a prompt of {len(prompt)} tokens"
     finally:
-        for attention in attentions:
-            attention.backend = paged_backend
+        model.use_backend(paged_backend)
 
 
 def test_greedy_continuations_match_generate(model: LlamaForCausalLM, hf_model: Any, prompts: list[list[int]]) -> None:
@@ -134,19 +130,34 @@ def test_greedy_continuations_match_generate(model: LlamaForCausalLM, hf_model: 
         assert_same_continuation(ours, hf_greedy(hf_model, prompt, 32), model.config.eos_token_ids)
 
 
-def test_greedy_continuations_match_generate_with_native_cpu_attention(
+def test_cpu_backend_logits_match_the_torch_backend(model: LlamaForCausalLM, prompts: list[list[int]]) -> None:
+    """The executor's CPU default (decode attention, the cache write and the norms, rotary and SiLU in C) against
+    the torch references, over a prefill and decode steps."""
+    prompt = prompts[0]
+    runs = []
+    for backend in (get_backend("torch"), get_backend("cpu")):
+        previous = model.use_backend(backend)
+        try:
+            runner = PagedRunner(model, num_blocks=64, block_size=16)
+            logits = [runner.step([(0, prompt)])[0]]
+            for token in (28, 253, 9):  # decode steps: the C decode attention and cache write
+                logits.append(runner.step([(0, [token])])[0])
+        finally:
+            model.use_backend(previous)
+        runs.append(torch.cat(logits))
+    diff = (runs[1] - runs[0]).abs().max().item()
+    assert 0 < diff < LOGIT_ATOL, f"max |logit diff| {diff:.2e} between the cpu and torch backends"
+
+
+def test_greedy_continuations_match_generate_with_native_cpu_kernels(
     model: LlamaForCausalLM, hf_model: Any, prompts: list[list[int]]
 ) -> None:
-    """The executor's CPU default: decode attention in C (kernels/cpu_native.py), the rest torch."""
-    attentions = [layer.self_attn for layer in model.layers]
-    torch_backend = attentions[0].backend
-    for attention in attentions:
-        attention.backend = get_backend("cpu")
+    """The executor's CPU default: decode attention, the cache write, norms, rotary and SiLU in C."""
+    torch_backend = model.use_backend(get_backend("cpu"))
     try:
         runner = PagedRunner(model, num_blocks=64, block_size=16, seed=2)
         outputs = greedy_generate(runner, prompts, max_new_tokens=32)
     finally:
-        for attention in attentions:
-            attention.backend = torch_backend
+        model.use_backend(torch_backend)
     for prompt, ours in zip(prompts, outputs, strict=True):
         assert_same_continuation(ours, hf_greedy(hf_model, prompt, 32), model.config.eos_token_ids)

@@ -184,7 +184,7 @@ def test_a_temporary_directory_mounted_noexec_is_a_reason_not_a_crash() -> None:
     """
     result = run_python(code, {})
     assert result.returncode == 0, result.stderr
-    assert "could not build and load paged_decode_attention_cpu.c" in result.stdout
+    assert "could not build and load the CPU kernels" in result.stdout
     assert "failed to map segment" in result.stdout
 
 

@@ -53,8 +53,9 @@ def test_bench_executor_json_smoke() -> None:
     # the decode step at 8 sequences of 20 tokens, and the same matmuls alone
     assert result["decode_context_8"] == 20
     assert result["decode_step_ms_8"] > 0 and result["decode_matmul_ms_8"] > 0
+    # the median of paired ratios, not the ratio of the medians: close to it, never its inverse
     assert result["decode_step_over_matmul_8"] == pytest.approx(
-        result["decode_step_ms_8"] / result["decode_matmul_ms_8"], rel=0.01
+        result["decode_step_ms_8"] / result["decode_matmul_ms_8"], rel=0.25
     )
 
 

@@ -5,7 +5,9 @@ chunks first, then one token per decoding sequence, in the order `AttentionMetad
 attention layer goes through `paged_attention`, so a prefix already in the cache is never recomputed; with
 a per-sequence KV layout (virtual, static) a layer gets a `DenseLayer` instead and attends densely.
 Q/K/V and gate/up are each one Linear (fused by the loaders), so a layer runs four matmuls, not seven.
-Norms and residual sums follow transformers' order, so fp32 results match it to rounding.
+The norms, the rotary embedding and SiLU * up are the kernel backend's (`KernelBackend`): with the torch and
+Triton backends, transformers' own arithmetic (fp32 results match it to rounding); with the CPU backend,
+one-pass C kernels within a few ulp of it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ....kernels import KernelBackend
 from ..attention import AttentionMetadata, paged_attention
 from ..dense_attention import DenseAttentionMetadata, DenseLayer, dense_attention
 from .config import ModelConfig
-from .rope import RopeTables, RotaryEmbedding, apply_rope
+from .rope import RopeTables, RotaryEmbedding
 
 # paged: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; per-sequence layouts: the layer index
 KVCache = tuple[torch.Tensor, torch.Tensor] | DenseLayer
@@ -26,18 +28,14 @@ Metadata = AttentionMetadata | DenseAttentionMetadata
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, backend: KernelBackend) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
-        if x.dtype == torch.float32:  # torch's fused kernel: the same fp32 arithmetic as below, in one pass
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # In fp32 whatever the model dtype, cast back before the weight: transformers' LlamaRMSNorm.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.backend.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -62,7 +60,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), rope)
+        qk = self.backend.rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [num_tokens, heads, head_dim] each
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if isinstance(kv_cache, DenseLayer):
@@ -76,24 +74,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
-        # in place in the gate/up output, a temporary of this layer: no new [num_tokens, intermediate] tensors
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.self_attn = Attention(config, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        self.mlp = MLP(config, backend)
 
     def forward(
         self, rope: RopeTables, x: torch.Tensor, meta: Metadata, kv_cache: KVCache
@@ -115,8 +112,17 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        self.backend = backend
+
+    def use_backend(self, backend: KernelBackend) -> KernelBackend:
+        """Runs every layer on `backend` from now on; returns the one it replaces."""
+        previous = self.backend
+        for module in self.modules():
+            if isinstance(module, (LlamaForCausalLM, Attention, MLP, RMSNorm)):
+                module.backend = backend
+        return previous
 
     def forward(
         self,

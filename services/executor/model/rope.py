@@ -58,18 +58,3 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
         return cos, sin
 
-
-def apply_rope(
-    x: torch.Tensor,  # [num_tokens, heads, head_dim]: the query and key heads side by side, as the fused QKV has them
-    rope: RopeTables,
-) -> torch.Tensor:  # [num_tokens, heads, head_dim], contiguous
-    """Rotate every head by its token's position. Q and K heads go through together: half the elementwise ops."""
-    # Equals transformers' x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), bit for bit: the same products
-    # and sums, each half written straight into the output (no cat).
-    cos, sin = rope
-    x1, x2 = x.chunk(2, dim=-1)  # [num_tokens, heads, head_dim // 2] each
-    out = torch.empty(x.shape, dtype=torch.result_type(x, cos), device=x.device)
-    out1, out2 = out.chunk(2, dim=-1)
-    torch.mul(x1, cos, out=out1).sub_(x2 * sin)
-    torch.mul(x2, cos, out=out2).add_(x1 * sin)
-    return out

@@ -1,0 +1,94 @@
+/* A decoder layer's per-token ops on the CPU in fp32, each in one pass: RMSNorm, the rotary embedding,
+ * SiLU(gate) * up, and the write of a step's keys and values into the paged cache.
+ *
+ * Built with the decode attention kernel into one library (kernels/cpu_native.py). torch runs each of these
+ * as several ops (RMSNorm: pow, mean, add, rsqrt and two multiplies; the rotary embedding: four multiplies,
+ * a subtraction and an addition; the cache write: an index_copy_ per cache), each a pass over memory with
+ * its own allocation and thread team. The results differ from torch's in the last bits only (the order of
+ * a sum, fused multiply-adds, exp's polynomial): tests/kernels/test_cpu_layer_ops.py bounds them. The cache
+ * write copies bits, and checks every slot before it writes any.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_math.h"
+
+/* elements below which a thread team costs more than it saves (torch's own grain size) */
+#define PARALLEL_MIN 32768
+
+enum { OK = 0, BAD_SLOT = 1 };
+
+/* out[t] = weight * x[t] / sqrt(mean(x[t]^2) + eps); x rows `x_stride` floats apart, out contiguous */
+void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out, int64_t num_tokens,
+                  int64_t hidden, float eps, int64_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens * hidden >= PARALLEL_MIN)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *row = x + t * x_stride;
+        float *o = out + t * hidden;
+        float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < hidden; i++) squares += row[i] * row[i];
+        const float inverse_rms = 1.f / sqrtf(squares / (float)hidden + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) o[i] = weight[i] * (row[i] * inverse_rms);
+    }
+}
+
+/* The "rotate_half" rotation of every head: dimension i pairs with i + head_dim / 2.
+ * x [num_tokens, num_heads, head_dim] with tokens `x_stride` floats apart (heads contiguous: a view of the
+ * fused QKV output); cos, sin [num_tokens, head_dim / 2] contiguous; out [num_tokens, num_heads, head_dim]. */
+void rotary_f32(const float *x, int64_t x_stride, const float *cos, const float *sin, float *out,
+                int64_t num_tokens, int64_t num_heads, int64_t head_dim, int64_t num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) \
+    if (num_tokens * num_heads * head_dim >= PARALLEL_MIN)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (int64_t h = 0; h < num_heads; h++) {
+            const float *x1 = x + t * x_stride + h * head_dim, *x2 = x1 + half;
+            float *o1 = out + (t * num_heads + h) * head_dim, *o2 = o1 + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                o1[i] = x1[i] * c[i] - x2[i] * s[i];
+                o2[i] = x2[i] * c[i] + x1[i] * s[i];
+            }
+        }
+    }
+}
+
+/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, intermediate + i]: the gate's columns first, then up's, rows
+ * `gate_up_stride` floats apart; out [num_tokens, intermediate] contiguous. */
+void silu_and_mul_f32(const float *gate_up, int64_t gate_up_stride, float *out, int64_t num_tokens,
+                      int64_t intermediate, int64_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens * intermediate >= PARALLEL_MIN)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *gate = gate_up + t * gate_up_stride, *up = gate + intermediate;
+        float *o = out + t * intermediate;
+#pragma omp simd
+        for (int64_t i = 0; i < intermediate; i++) {
+            /* sigmoid from exp(-|g|) <= 1, so exp never overflows: 1 / (1 + e) for g >= 0, e / (1 + e) below;
+               0 where exp_nonpositive clamps (g < -87.3: exp(g) < 1.2e-38), so a huge negative gate gives 0 */
+            const float g = gate[i], e = exp_nonpositive(g < 0.f ? g : -g);
+            const float sigmoid = g < -87.3f ? 0.f : (g < 0.f ? e : 1.f) / (1.f + e);
+            o[i] = g * sigmoid * up[i];
+        }
+    }
+}
+
+/* k_cache/v_cache row slots[t] (num_kv_heads * head_dim floats) = key/value token t; rows of key and value
+ * `key_stride` / `value_stride` floats apart; a negative slot is padding and skipped. Every slot is checked
+ * against the cache before anything is written. */
+int cache_write_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                    float *k_cache, float *v_cache, const int64_t *slots, int64_t num_tokens, int64_t row,
+                    int64_t num_slots) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slots[t] >= num_slots) return BAD_SLOT;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * row, key + t * key_stride, sizeof(float) * (size_t)row);
+        memcpy(v_cache + slot * row, value + t * value_stride, sizeof(float) * (size_t)row);
+    }
+    return OK;
+}
