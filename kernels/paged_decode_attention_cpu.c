@@ -2,28 +2,137 @@
  *
  * Built at first use on the machine that runs it (-O3 -march=native -fopenmp, kernels/cpu_native.py) and
  * called through ctypes with raw pointers. One OpenMP task per sequence (per sequence and KV head when
- * there are fewer sequences than threads): it reads each of its positions' key rows (every KV head of a
- * position is one contiguous row of the cache) once, with the rows a few positions ahead prefetched (keys
- * and values both, so the value pass finds them in the cache), then a softmax per query head, then each
- * value row once. The torch path gathers the keys into a padded copy
- * and sums the values through embedding_bag: two passes over memory per tensor, and this is one.
+ * there are fewer sequences than threads), dealt round robin, so each thread knows its next task: while it
+ * computes one, it prefetches the next one's key and value rows into L2, spread evenly over its work. Reading
+ * the cache is most of the time (it is cold: every layer's cache is read once a step), and a task's compute
+ * is the lead time that hides its latency. Within a task, per query head: the scores over all positions
+ * (each key row read from L2, the query in registers), a softmax, then the values summed in registers.
+ * The torch path instead copies the keys into a padded batch and reads the values through embedding_bag.
  *
  * Memory safety is checked here, not trusted to the caller: a block id outside the cache or a length past
- * the block table returns an error code before anything is read through it.
+ * the block table returns an error code before anything is read through it (a prefetch is only a hint and
+ * skips a bad id).
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu_math.h"
 
-#define PREFETCH_AHEAD 6 /* positions; 2-8 measured within noise of each other, 0 is ~2x slower */
+#define PREFETCH_AHEAD 6 /* positions, for a thread's first task (later ones were prefetched as a whole) */
+
+/* A vector of the machine's width: GCC lowers a wider one badly (an AVX2 build with 16-float vectors ran 3x
+   slower than plain loops). Head dims that are a multiple of it, up to 256, are held in registers. */
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+#define MAX_VECTORS (256 / LANES)
+typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float))));
+
+/* Loads through a pointer of that type (aligned to a float: unaligned loads). Not memcpy into a local: with
+   generic tuning GCC splits that into halves written to the stack and read back whole (a stalled store
+   forward on every load; an x86-64-v3 build ran 8x slower). */
+static inline vec load(const float *p) { return *(const vec *)p; }
+static inline void store(float *p, vec v) { *(vec *)p = v; }
 
 enum { OK = 0, BAD_BLOCK = 1, BAD_LENGTH = 2, NO_MEMORY = 3 };
 
 static inline void prefetch_row(const float *row, int64_t num_floats) {
     for (int64_t byte = 0; byte < num_floats * (int64_t)sizeof(float); byte += 64)
-        __builtin_prefetch((const char *)row + byte);
+        __builtin_prefetch((const char *)row + byte, 0, 1); /* into L2: L1 is too small to hold a task */
+}
+
+/* The next task's rows, prefetched a few at a time as this task's work proceeds. */
+typedef struct {
+    const int32_t *table;
+    int64_t len, head_offset, work, done, fetched;
+} Ahead;
+
+static inline void prefetch_ahead(Ahead *ahead, const float *k_cache, const float *v_cache, int64_t num_blocks,
+                                  int64_t block_size, int64_t row_len, int64_t width) {
+    ahead->done++;
+    while (ahead->fetched < ahead->len && ahead->fetched * ahead->work < ahead->done * ahead->len) {
+        const int64_t t = ahead->fetched++, block = ahead->table[t / block_size];
+        if (block < 0 || block >= num_blocks) continue; /* refused when that task runs */
+        const int64_t row = (block * block_size + t % block_size) * row_len + ahead->head_offset;
+        prefetch_row(k_cache + row, width);
+        prefetch_row(v_cache + row, width);
+    }
+}
+
+/* Everything one query head of a task reads: its KV head's rows, and what to prefetch meanwhile. */
+typedef struct {
+    const float *k_cache, *v_cache;
+    const int64_t *rows; /* each position's row offset, at the task's first KV head */
+    int64_t len, head, width, num_blocks, block_size, row_len, head_dim;
+    int first;           /* the task's first query head: prefetch its own rows a few positions ahead */
+    Ahead *ahead;
+} HeadPass;
+
+static inline void prefetch_step(const HeadPass *h, int64_t t) {
+    if (h->first && t + PREFETCH_AHEAD < h->len) {
+        prefetch_row(h->k_cache + h->rows[t + PREFETCH_AHEAD], h->width);
+        prefetch_row(h->v_cache + h->rows[t + PREFETCH_AHEAD], h->width);
+    }
+    prefetch_ahead(h->ahead, h->k_cache, h->v_cache, h->num_blocks, h->block_size, h->row_len, h->width);
+}
+
+/* p[t] = scale * q . k[t], the query in registers */
+static inline void scores_in_registers(const HeadPass *h, const float *q, float scale, float *p) {
+    const int64_t vectors = h->head_dim / LANES;
+    vec qv[MAX_VECTORS];
+    for (int64_t c = 0; c < vectors; c++) qv[c] = load(q + LANES * c) * scale;
+    for (int64_t t = 0; t < h->len; t++) {
+        prefetch_step(h, t);
+        const float *k = h->k_cache + h->rows[t] + h->head;
+        vec even = {0}, odd = {0}; /* two chains of multiply-adds, summed at the end */
+        int64_t c = 0;
+        for (; c + 1 < vectors; c += 2) {
+            even += qv[c] * load(k + LANES * c);
+            odd += qv[c + 1] * load(k + LANES * (c + 1));
+        }
+        if (c < vectors) even += qv[c] * load(k + LANES * c);
+        even += odd;
+        float dot = 0.f;
+        for (int i = 0; i < LANES; i++) dot += even[i];
+        p[t] = dot;
+    }
+}
+
+static inline void scores_plain(const HeadPass *h, const float *q, float scale, float *p) {
+    for (int64_t t = 0; t < h->len; t++) {
+        prefetch_step(h, t);
+        const float *k = h->k_cache + h->rows[t] + h->head;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < h->head_dim; d++) dot += q[d] * k[d];
+        p[t] = dot * scale;
+    }
+}
+
+/* out = sum_t p[t] v[t] * inverse, the sum in registers */
+static inline void values_in_registers(const HeadPass *h, const float *p, float inverse, float *out) {
+    const int64_t vectors = h->head_dim / LANES;
+    vec acc[MAX_VECTORS];
+    for (int64_t c = 0; c < vectors; c++) acc[c] = (vec){0};
+    for (int64_t t = 0; t < h->len; t++) {
+        const float *v = h->v_cache + h->rows[t] + h->head, w = p[t];
+        for (int64_t c = 0; c < vectors; c++) acc[c] += w * load(v + LANES * c);
+    }
+    for (int64_t c = 0; c < vectors; c++) store(out + LANES * c, acc[c] * inverse);
+}
+
+static inline void values_plain(const HeadPass *h, const float *p, float inverse, float *out) {
+    memset(out, 0, sizeof(float) * (size_t)h->head_dim);
+    for (int64_t t = 0; t < h->len; t++) {
+        const float *v = h->v_cache + h->rows[t] + h->head, w = p[t];
+#pragma omp simd
+        for (int64_t d = 0; d < h->head_dim; d++) out[d] += w * v[d];
+    }
+    for (int64_t d = 0; d < h->head_dim; d++) out[d] *= inverse;
 }
 
 int paged_decode_attention_f32(
@@ -53,18 +162,18 @@ int paged_decode_attention_f32(
 #pragma omp parallel num_threads(team)
     {
         float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_len)); /* [query heads, len] */
-        float *queries = malloc(sizeof(float) * (size_t)(num_heads * head_dim));
-        float *acc = malloc(sizeof(float) * (size_t)(num_heads * head_dim));
         int64_t *rows = malloc(sizeof(int64_t) * (size_t)max_len); /* each position's row offset in the cache */
-        const int have_memory = scores && queries && acc && rows;
+        const int have_memory = scores && rows;
         if (!have_memory) {
 #pragma omp atomic write
             status = NO_MEMORY;
         }
-#pragma omp for schedule(dynamic, 1)
+        const int64_t stride = omp_get_num_threads(); /* schedule(static, 1): this thread's next task */
+        const int in_registers = head_dim % LANES == 0 && head_dim / LANES <= MAX_VECTORS;
+#pragma omp for schedule(static, 1)
         for (int64_t task = 0; task < num_tasks; task++) {
             const int64_t s = task / tasks_per_seq, h0 = task % tasks_per_seq * heads_per_task;
-            const int64_t h1 = h0 + heads_per_task, nq = heads_per_task * group; /* query heads of the task */
+            const int64_t nq = heads_per_task * group, width = heads_per_task * head_dim; /* the task's heads */
             const int64_t len = seq_lens[s];
             float *o = out + (s * num_heads + h0 * group) * head_dim;
             if (!have_memory || len == 0) { /* attention over nothing is 0 */
@@ -84,28 +193,23 @@ int paged_decode_attention_f32(
                 status = BAD_BLOCK;
                 continue;
             }
-            const float *qs = q + s * q_seq_stride + h0 * group * head_dim;
-            for (int64_t i = 0; i < nq * head_dim; i++) queries[i] = qs[i] * scale;
-
-            for (int64_t t = 0; t < len; t++) {
-                if (t + PREFETCH_AHEAD < len) {
-                    prefetch_row(k_cache + rows[t + PREFETCH_AHEAD], heads_per_task * head_dim);
-                    prefetch_row(v_cache + rows[t + PREFETCH_AHEAD], heads_per_task * head_dim);
-                }
-                const float *k = k_cache + rows[t];
-                for (int64_t h = h0, hq = 0; h < h1; h++) {
-                    const float *kh = k + (h - h0) * head_dim;
-                    for (int64_t g = 0; g < group; g++, hq++) {
-                        const float *qh = queries + hq * head_dim;
-                        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                        for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * kh[d];
-                        scores[hq * len + t] = dot;
-                    }
-                }
+            Ahead ahead = {block_tables, 0, 0, nq * len, 0, 0};
+            if (task + stride < num_tasks) {
+                const int64_t next = task + stride, s_next = next / tasks_per_seq;
+                ahead.table = block_tables + s_next * max_blocks;
+                ahead.len = seq_lens[s_next];
+                ahead.head_offset = next % tasks_per_seq * heads_per_task * head_dim;
             }
+            const float *qs = q + s * q_seq_stride + h0 * group * head_dim;
             for (int64_t hq = 0; hq < nq; hq++) {
-                float *p = scores + hq * len, top = p[0], sum = 0.f;
+                const HeadPass h = {k_cache, v_cache, rows, len, (hq / group) * head_dim, width, num_blocks,
+                                    block_size, row_len, head_dim, hq == 0, &ahead};
+                float *p = scores + hq * len;
+                if (in_registers)
+                    scores_in_registers(&h, qs + hq * head_dim, scale, p);
+                else
+                    scores_plain(&h, qs + hq * head_dim, scale, p);
+                float top = p[0], sum = 0.f;
 #pragma omp simd reduction(max : top)
                 for (int64_t t = 1; t < len; t++) top = p[t] > top ? p[t] : top;
 #pragma omp simd reduction(+ : sum)
@@ -113,27 +217,13 @@ int paged_decode_attention_f32(
                     p[t] = exp_nonpositive(p[t] - top);
                     sum += p[t];
                 }
-                const float inv = 1.f / sum;
-                for (int64_t t = 0; t < len; t++) p[t] *= inv;
+                if (in_registers)
+                    values_in_registers(&h, p, 1.f / sum, o + hq * head_dim);
+                else
+                    values_plain(&h, p, 1.f / sum, o + hq * head_dim);
             }
-            memset(acc, 0, sizeof(float) * (size_t)(nq * head_dim));
-            for (int64_t t = 0; t < len; t++) {
-                const float *v = v_cache + rows[t];
-                for (int64_t h = h0, hq = 0; h < h1; h++) {
-                    const float *vh = v + (h - h0) * head_dim;
-                    for (int64_t g = 0; g < group; g++, hq++) {
-                        const float p = scores[hq * len + t];
-                        float *a = acc + hq * head_dim;
-#pragma omp simd
-                        for (int64_t d = 0; d < head_dim; d++) a[d] += p * vh[d];
-                    }
-                }
-            }
-            memcpy(o, acc, sizeof(float) * (size_t)(nq * head_dim));
         }
         free(scores);
-        free(queries);
-        free(acc);
         free(rows);
     }
     return status;

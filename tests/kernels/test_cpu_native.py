@@ -37,6 +37,9 @@ def test_it_runs_on_torchs_openmp_runtime() -> None:
         (4, 32, 8, [9, 1, 64]),
         (2, 128, 32, [100, 31]),
         (8, 16, 1, [5, 2]),
+        (2, 20, 16, [30, 7]),  # not a multiple of the vector width: the plain loops
+        (1, 24, 16, [40, 2]),  # a multiple of AVX2's 8 floats, not AVX-512's 16
+        (1, 320, 16, [20, 3]),  # wider than the registers hold (256): the plain loops
     ],
 )
 def test_matches_dense_attention(group: int, head_dim: int, block_size: int, seq_lens: list[int]) -> None:
@@ -53,7 +56,8 @@ def test_matches_dense_attention(group: int, head_dim: int, block_size: int, seq
         expected = dense_attention_fp64(q[seq : seq + 1], kv.keys[seq], kv.values[seq], scale)
         assert_close(out[seq : seq + 1], expected, torch.float32)
     reference = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, scale)
-    torch.testing.assert_close(out, reference, atol=2e-6, rtol=1e-5)
+    # both round: longer dot products drift further apart (each is checked against fp64 above)
+    torch.testing.assert_close(out, reference, atol=2e-6 * max(1, head_dim // 64), rtol=1e-5)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
