@@ -22,8 +22,8 @@
 
 #define PREFETCH_AHEAD 6 /* positions, for a thread's first task (later ones were prefetched as a whole) */
 
-/* A vector of the machine's width: GCC lowers a wider one badly (an AVX2 build with 16-float vectors ran 3x
-   slower than plain loops). Head dims that are a multiple of it, up to 256, are held in registers. */
+/* A vector of the machine's width: 16 floats with AVX-512, else 8 (AVX2). Head dims that are a multiple of
+   it, up to 256, are held in registers. */
 #if defined(__AVX512F__)
 #define LANES 16
 #else
