@@ -13,12 +13,13 @@
  * the block table returns an error code before anything is read through it (a prefetch is only a hint and
  * skips a bad id).
  */
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu_math.h"
+
+int omp_get_num_threads(void); /* libgomp's; declared here so that the build needs no omp.h */
 
 #define PREFETCH_AHEAD 6 /* positions, for a thread's first task (later ones were prefetched as a whole) */
 
