@@ -9,7 +9,7 @@ calling thread: what torch's own ops use there (an OpenMP thread count is per th
 arranged, or no C compiler is found, `cpu_unavailable_reason` says why and the executor keeps the torch path.
 
 Decode attention against the torch path at 64 sequences of ~80 tokens (SmolLM2-135M's 9 query / 3 KV heads
-of 64, caches cold): 1.58 -> 0.78-0.86 ms per layer on one thread, 0.88 -> 0.40-0.47 on two (docs/kernels.md).
+of 64, caches cold): 1.58 -> 0.61 ms per layer on one thread, 0.88 -> 0.44 on two (docs/kernels.md).
 """
 
 from __future__ import annotations
