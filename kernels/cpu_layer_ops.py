@@ -11,13 +11,7 @@ from __future__ import annotations
 import torch
 
 from .cache_write import check_cache_write_inputs
-from .cpu_native import native_library
-
-
-def _check_fp32_cpu(**tensors: torch.Tensor) -> None:
-    for name, tensor in tensors.items():
-        if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
-            raise ValueError(f"{name} must be an fp32 CPU tensor, got {tensor.dtype} on {tensor.device}")
+from .cpu_native import check_fp32_cpu, native_library
 
 
 def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -33,7 +27,7 @@ def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[num_tokens, hidden] -> [num_tokens, hidden]: rms_norm_ref in one pass."""
-    _check_fp32_cpu(x=x, weight=weight)
+    check_fp32_cpu(x=x, weight=weight)
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise ValueError(f"x must be [num_tokens, hidden] and weight [hidden], got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}")
@@ -47,7 +41,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 def rotary_cpu(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """[num_tokens, heads, head_dim] -> the same, contiguous: rotary_ref in one pass."""
     cos, sin = rope
-    _check_fp32_cpu(x=x, cos=cos, sin=sin)
+    check_fp32_cpu(x=x, cos=cos, sin=sin)
     num_tokens, num_heads, head_dim = x.shape
     half = head_dim // 2
     if head_dim % 2 or cos.shape != (num_tokens, 1, half) or sin.shape != cos.shape:
@@ -63,7 +57,7 @@ def rotary_cpu(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
 def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
     """[num_tokens, 2 * intermediate] -> [num_tokens, intermediate]: silu_and_mul_ref in one pass (a new
     tensor; `gate_up` is left as it was)."""
-    _check_fp32_cpu(gate_up=gate_up)
+    check_fp32_cpu(gate_up=gate_up)
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [num_tokens, 2 * intermediate], got {tuple(gate_up.shape)}")
     gate_up = _rows_contiguous(gate_up)
@@ -82,7 +76,7 @@ def cache_write_cpu(
 ) -> None:
     """cache_write_ref as plain row copies; a slot past the cache raises before anything is written."""
     check_cache_write_inputs(key, value, k_cache, v_cache, slot_mapping)
-    _check_fp32_cpu(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
+    check_fp32_cpu(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the caches must be contiguous")
     key, value, slots = _rows_contiguous(key), _rows_contiguous(value), slot_mapping.contiguous()

@@ -97,6 +97,13 @@ def _openmp_runtimes() -> set[str]:
     return {p for p in paths if any(name in Path(p).name for name in ("libgomp", "libiomp", "libomp"))}
 
 
+def check_fp32_cpu(**tensors: torch.Tensor) -> None:
+    """The C kernels read fp32 CPU memory only: anything else is a ValueError naming the argument."""
+    for name, tensor in tensors.items():
+        if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
+            raise ValueError(f"{name} must be an fp32 CPU tensor, got {tensor.dtype} on {tensor.device}")
+
+
 def paged_decode_attention_cpu(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32; each row's heads contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32, contiguous
@@ -112,9 +119,7 @@ def paged_decode_attention_cpu(
     num_seqs, num_heads, head_dim = q.shape
     cache = check_kv_cache(k_cache, v_cache)
     check_block_tables(block_tables, seq_lens, num_seqs)
-    for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
-            raise ValueError(f"{name} must be an fp32 CPU tensor, got {tensor.dtype} on {tensor.device}")
+    check_fp32_cpu(q=q, k_cache=k_cache, v_cache=v_cache)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the caches must be contiguous")
     if q.stride(2) != 1 or (num_heads > 1 and q.stride(1) != head_dim):

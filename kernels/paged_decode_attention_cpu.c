@@ -182,7 +182,7 @@ int paged_decode_attention_f32(
     int status = OK;
 #pragma omp parallel num_threads(team)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_len)); /* [query heads, len] */
+        float *scores = malloc(sizeof(float) * (size_t)max_len); /* one query head's, then the next's */
         int64_t *rows = malloc(sizeof(int64_t) * (size_t)max_len); /* each position's row offset in the cache */
         const int have_memory = scores && rows;
         if (!have_memory) {
@@ -225,7 +225,7 @@ int paged_decode_attention_f32(
             for (int64_t hq = 0; hq < nq; hq++) {
                 const HeadPass h = {k_cache, v_cache, rows, len, (hq / group) * head_dim, width, num_blocks,
                                     block_size, row_len, head_dim, hq == 0, &ahead};
-                float *p = scores + hq * len;
+                float *p = scores;
                 if (in_registers)
                     scores_in_registers(&h, qs + hq * head_dim, scale, p);
                 else
