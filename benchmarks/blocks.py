@@ -122,37 +122,30 @@ def step_cost_inprocess(num_seqs: int, steps: int, prompt_len: int, block_size: 
 
 
 def step_cost_rpc(num_seqs: int, steps: int, prompt_len: int, block_size: int) -> tuple[tuple[float, float], ...]:
-    """The Decode step over gRPC (request build and parse included), and an empty Stats call alternated
-    with it: the floor of a unary call between two Python processes on this machine."""
-    import grpc
-
-    from ..protos import block_manager_pb2 as pb
-    from ..protos import block_manager_pb2_grpc as pb_grpc
+    """The Decode step over gRPC as the frontend sends it (one stream for every step; request build and parse
+    included), and an empty unary Stats call alternated with it: a call's floor between two Python processes."""
+    from ..services.block_manager.client import RemoteBlockManager
+    from ..services.block_manager.step import AdmitOp, DecodeOp
     from ..services.common.processes import running_service
 
     num_blocks = num_seqs * (-(-(prompt_len + steps + 20) // block_size))
     args = ["block-manager", "--num-blocks", str(num_blocks), "--block-size", str(block_size)]
-    with running_service(args) as service, grpc.insecure_channel(service.address) as channel:
-        stub = pb_grpc.BlockManagerStub(channel)
-        setup = []
-        for seq_id in range(num_seqs):
-            tokens = [1] * prompt_len
-            setup.append(pb.Op(admit=pb.Admit(seq_id=seq_id, token_ids=tokens, cache_namespace=NAMESPACE,
-                                              num_tokens=prompt_len)))
-        stub.Step(pb.StepRequest(ops=setup))
-        seq_ids = list(range(num_seqs))
-        samples, floor = [], []
-        for step in range(steps + 20):
-            start = time.perf_counter_ns()
-            decode = pb.Decode(seq_ids=seq_ids, token_ids=[7 + step % 3] * num_seqs)
-            request = pb.StepRequest(ops=[pb.Op(decode=decode)])
-            response = stub.Step(request)
-            slots = list(response.results[0].slot_mapping)
-            samples.append(time.perf_counter_ns() - start)
-            assert len(slots) == num_seqs
-            start = time.perf_counter_ns()
-            stub.Stats(pb.StatsRequest())
-            floor.append(time.perf_counter_ns() - start)
+    with running_service(args) as service:
+        client = RemoteBlockManager(service.address)
+        try:
+            client.step([AdmitOp(seq_id, [1] * prompt_len, NAMESPACE, prompt_len) for seq_id in range(num_seqs)])
+            seq_ids = list(range(num_seqs))
+            samples, floor = [], []
+            for step in range(steps + 20):
+                start = time.perf_counter_ns()
+                answer = client.step([DecodeOp(seq_ids, [7 + step % 3] * num_seqs)])
+                samples.append(time.perf_counter_ns() - start)
+                assert len(answer.outcomes[0].slot_mapping) == num_seqs
+                start = time.perf_counter_ns()
+                client.stats()
+                floor.append(time.perf_counter_ns() - start)
+        finally:
+            client.close()
     return _percentiles(samples[20:]), _percentiles(floor[20:])
 
 

@@ -45,16 +45,20 @@ class StepRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     OPS_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    traceparent: _builtins.str
+    """the W3C trace context of the frontend's call for this step (empty: untraced)"""
     @_builtins.property
     def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___Op]: ...
     def __init__(
         self,
         *,
         ops: _abc.Iterable[Global___Op] | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -34,7 +34,7 @@ class BlockManagerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Step = channel.unary_unary(
+        self.Step = channel.stream_stream(
                 '/pagedserve.block_manager.v1.BlockManager/Step',
                 request_serializer=pagedserve_dot_protos_dot_block__manager__pb2.StepRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_protos_dot_block__manager__pb2.StepResponse.FromString,
@@ -54,9 +54,12 @@ class BlockManagerStub:
 class BlockManagerServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Step(self, request, context):
-        """Applies ops in order. A shortage of blocks is a per-op REFUSED result, never an RPC error;
-        malformed or inconsistent ops fail the whole call with INVALID_ARGUMENT before anything changes.
+    def Step(self, request_iterator, context):
+        """One scheduler step per message, answered in order: applies the step's ops in order. A shortage of
+        blocks is a per-op REFUSED result, never an RPC error; malformed or inconsistent ops end the stream
+        with INVALID_ARGUMENT before anything of that step changes. A frontend keeps one stream open for all
+        its steps (a call per step cost both sides twice the CPU). A stopping block manager answers what it
+        has read, then ends the stream UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -78,7 +81,7 @@ class BlockManagerServicer:
 
 def add_BlockManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Step': grpc.unary_unary_rpc_method_handler(
+            'Step': grpc.stream_stream_rpc_method_handler(
                     servicer.Step,
                     request_deserializer=pagedserve_dot_protos_dot_block__manager__pb2.StepRequest.FromString,
                     response_serializer=pagedserve_dot_protos_dot_block__manager__pb2.StepResponse.SerializeToString,
@@ -105,7 +108,7 @@ class BlockManager:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Step(request,
+    def Step(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -115,8 +118,8 @@ class BlockManager:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/pagedserve.block_manager.v1.BlockManager/Step',
             pagedserve_dot_protos_dot_block__manager__pb2.StepRequest.SerializeToString,

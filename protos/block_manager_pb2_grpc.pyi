@@ -33,9 +33,12 @@ class BlockManagerStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> BlockManagerAsyncStub: ...
-    Step: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.StepRequest, _block_manager_pb2.StepResponse]
-    """Applies ops in order. A shortage of blocks is a per-op REFUSED result, never an RPC error;
-    malformed or inconsistent ops fail the whole call with INVALID_ARGUMENT before anything changes.
+    Step: _grpc.StreamStreamMultiCallable[_block_manager_pb2.StepRequest, _block_manager_pb2.StepResponse]
+    """One scheduler step per message, answered in order: applies the step's ops in order. A shortage of
+    blocks is a per-op REFUSED result, never an RPC error; malformed or inconsistent ops end the stream
+    with INVALID_ARGUMENT before anything of that step changes. A frontend keeps one stream open for all
+    its steps (a call per step cost both sides twice the CPU). A stopping block manager answers what it
+    has read, then ends the stream UNAVAILABLE.
     """
     Stats: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.StatsRequest, _block_manager_pb2.StatsResponse]
     Reset: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.ResetRequest, _block_manager_pb2.ResetResponse]
@@ -44,9 +47,12 @@ class BlockManagerStub:
 @_typing.type_check_only
 class BlockManagerAsyncStub(BlockManagerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
-    Step: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.StepRequest, _block_manager_pb2.StepResponse]  # type: ignore[assignment]
-    """Applies ops in order. A shortage of blocks is a per-op REFUSED result, never an RPC error;
-    malformed or inconsistent ops fail the whole call with INVALID_ARGUMENT before anything changes.
+    Step: _aio.StreamStreamMultiCallable[_block_manager_pb2.StepRequest, _block_manager_pb2.StepResponse]  # type: ignore[assignment]
+    """One scheduler step per message, answered in order: applies the step's ops in order. A shortage of
+    blocks is a per-op REFUSED result, never an RPC error; malformed or inconsistent ops end the stream
+    with INVALID_ARGUMENT before anything of that step changes. A frontend keeps one stream open for all
+    its steps (a call per step cost both sides twice the CPU). A stopping block manager answers what it
+    has read, then ends the stream UNAVAILABLE.
     """
     Stats: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.StatsRequest, _block_manager_pb2.StatsResponse]  # type: ignore[assignment]
     Reset: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.ResetRequest, _block_manager_pb2.ResetResponse]  # type: ignore[assignment]
@@ -56,11 +62,14 @@ class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def Step(
         self,
-        request: _block_manager_pb2.StepRequest,
+        request_iterator: _MaybeAsyncIterator[_block_manager_pb2.StepRequest],
         context: _ServicerContext,
-    ) -> _typing.Union[_block_manager_pb2.StepResponse, _abc.Awaitable[_block_manager_pb2.StepResponse]]:
-        """Applies ops in order. A shortage of blocks is a per-op REFUSED result, never an RPC error;
-        malformed or inconsistent ops fail the whole call with INVALID_ARGUMENT before anything changes.
+    ) -> _typing.Union[_abc.Iterator[_block_manager_pb2.StepResponse], _abc.AsyncIterator[_block_manager_pb2.StepResponse]]:
+        """One scheduler step per message, answered in order: applies the step's ops in order. A shortage of
+        blocks is a per-op REFUSED result, never an RPC error; malformed or inconsistent ops end the stream
+        with INVALID_ARGUMENT before anything of that step changes. A frontend keeps one stream open for all
+        its steps (a call per step cost both sides twice the CPU). A stopping block manager answers what it
+        has read, then ends the stream UNAVAILABLE.
         """
 
     @_abc_1.abstractmethod

@@ -34,7 +34,7 @@ class ExecutorStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Execute = channel.unary_unary(
+        self.Execute = channel.stream_stream(
                 '/pagedserve.executor.v1.Executor/Execute',
                 request_serializer=pagedserve_dot_protos_dot_executor__pb2.ExecuteRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_protos_dot_executor__pb2.ExecuteResponse.FromString,
@@ -54,9 +54,14 @@ class ExecutorStub:
 class ExecutorServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Execute(self, request, context):
-        """Runs one scheduler step: swap-outs, swap-ins and copy-on-write copies first (in that order), then
-        the forward pass over every sequence's new tokens, then sampling where a next token is wanted.
+    def Execute(self, request_iterator, context):
+        """Runs scheduler steps, one per message, in the order they arrive, and answers each in that order. A
+        step's swap-outs, swap-ins and copy-on-write copies come first (in that order), then the forward pass
+        over every sequence's new tokens, then sampling where a next token is wanted. A frontend keeps one
+        stream open and sends step N+1 while N runs: N+1 may ask for what N samples (LAST_SAMPLED), since the
+        stream's order is the order they run in. A step that fails ends the stream with its status; the steps
+        sent after it on that stream are void. A stopping executor answers what it has read, then ends the
+        stream UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,7 +87,7 @@ class ExecutorServicer:
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Execute': grpc.unary_unary_rpc_method_handler(
+            'Execute': grpc.stream_stream_rpc_method_handler(
                     servicer.Execute,
                     request_deserializer=pagedserve_dot_protos_dot_executor__pb2.ExecuteRequest.FromString,
                     response_serializer=pagedserve_dot_protos_dot_executor__pb2.ExecuteResponse.SerializeToString,
@@ -109,7 +114,7 @@ class Executor:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Execute(request,
+    def Execute(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -119,8 +124,8 @@ class Executor:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/pagedserve.executor.v1.Executor/Execute',
             pagedserve_dot_protos_dot_executor__pb2.ExecuteRequest.SerializeToString,

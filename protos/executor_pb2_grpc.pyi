@@ -33,9 +33,14 @@ class ExecutorStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> ExecutorAsyncStub: ...
-    Execute: _grpc.UnaryUnaryMultiCallable[_executor_pb2.ExecuteRequest, _executor_pb2.ExecuteResponse]
-    """Runs one scheduler step: swap-outs, swap-ins and copy-on-write copies first (in that order), then
-    the forward pass over every sequence's new tokens, then sampling where a next token is wanted.
+    Execute: _grpc.StreamStreamMultiCallable[_executor_pb2.ExecuteRequest, _executor_pb2.ExecuteResponse]
+    """Runs scheduler steps, one per message, in the order they arrive, and answers each in that order. A
+    step's swap-outs, swap-ins and copy-on-write copies come first (in that order), then the forward pass
+    over every sequence's new tokens, then sampling where a next token is wanted. A frontend keeps one
+    stream open and sends step N+1 while N runs: N+1 may ask for what N samples (LAST_SAMPLED), since the
+    stream's order is the order they run in. A step that fails ends the stream with its status; the steps
+    sent after it on that stream are void. A stopping executor answers what it has read, then ends the
+    stream UNAVAILABLE.
     """
     Info: _grpc.UnaryUnaryMultiCallable[_executor_pb2.InfoRequest, _executor_pb2.InfoResponse]
     """The model and the KV cache geometry, which the block manager must be started to agree with."""
@@ -49,9 +54,14 @@ class ExecutorStub:
 @_typing.type_check_only
 class ExecutorAsyncStub(ExecutorStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
-    Execute: _aio.UnaryUnaryMultiCallable[_executor_pb2.ExecuteRequest, _executor_pb2.ExecuteResponse]  # type: ignore[assignment]
-    """Runs one scheduler step: swap-outs, swap-ins and copy-on-write copies first (in that order), then
-    the forward pass over every sequence's new tokens, then sampling where a next token is wanted.
+    Execute: _aio.StreamStreamMultiCallable[_executor_pb2.ExecuteRequest, _executor_pb2.ExecuteResponse]  # type: ignore[assignment]
+    """Runs scheduler steps, one per message, in the order they arrive, and answers each in that order. A
+    step's swap-outs, swap-ins and copy-on-write copies come first (in that order), then the forward pass
+    over every sequence's new tokens, then sampling where a next token is wanted. A frontend keeps one
+    stream open and sends step N+1 while N runs: N+1 may ask for what N samples (LAST_SAMPLED), since the
+    stream's order is the order they run in. A step that fails ends the stream with its status; the steps
+    sent after it on that stream are void. A stopping executor answers what it has read, then ends the
+    stream UNAVAILABLE.
     """
     Info: _aio.UnaryUnaryMultiCallable[_executor_pb2.InfoRequest, _executor_pb2.InfoResponse]  # type: ignore[assignment]
     """The model and the KV cache geometry, which the block manager must be started to agree with."""
@@ -66,11 +76,16 @@ class ExecutorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def Execute(
         self,
-        request: _executor_pb2.ExecuteRequest,
+        request_iterator: _MaybeAsyncIterator[_executor_pb2.ExecuteRequest],
         context: _ServicerContext,
-    ) -> _typing.Union[_executor_pb2.ExecuteResponse, _abc.Awaitable[_executor_pb2.ExecuteResponse]]:
-        """Runs one scheduler step: swap-outs, swap-ins and copy-on-write copies first (in that order), then
-        the forward pass over every sequence's new tokens, then sampling where a next token is wanted.
+    ) -> _typing.Union[_abc.Iterator[_executor_pb2.ExecuteResponse], _abc.AsyncIterator[_executor_pb2.ExecuteResponse]]:
+        """Runs scheduler steps, one per message, in the order they arrive, and answers each in that order. A
+        step's swap-outs, swap-ins and copy-on-write copies come first (in that order), then the forward pass
+        over every sequence's new tokens, then sampling where a next token is wanted. A frontend keeps one
+        stream open and sends step N+1 while N runs: N+1 may ask for what N samples (LAST_SAMPLED), since the
+        stream's order is the order they run in. A step that fails ends the stream with its status; the steps
+        sent after it on that stream are void. A stopping executor answers what it has read, then ends the
+        stream UNAVAILABLE.
         """
 
     @_abc_1.abstractmethod

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import grpc
-
 from ...protos import block_manager_pb2 as pb
 from ...protos import block_manager_pb2_grpc as pb_grpc
-from ..common.channels import StepChannel
+from ..common.channels import Pending, StepChannel, StepStream
 from .manager import BlockCopy, BlockTableDelta
 from .stats import BlockStats
 from .step import (
@@ -25,6 +23,8 @@ from .step import (
     SwapInOp,
     SwapOutOp,
 )
+
+STEP_METHOD = f"/{pb.DESCRIPTOR.services_by_name['BlockManager'].full_name}/Step"
 
 
 def op_to_proto(op: Op) -> pb.Op:
@@ -86,28 +86,28 @@ def answer_from_proto(response: pb.StepResponse) -> StepAnswer:
 class PendingStep:
     """A Step sent, not answered yet."""
 
-    def __init__(self, future: grpc.Future) -> None:
-        self.future = future
+    def __init__(self, pending: Pending[pb.StepResponse]) -> None:
+        self.pending = pending
 
     def result(self) -> StepAnswer:
-        return answer_from_proto(self.future.result())
+        return answer_from_proto(self.pending.result())
 
 
 class RemoteBlockManager:
-    """The engine thread makes one Step call per scheduler step."""
+    """The engine thread sends one Step per scheduler step, all on one stream."""
 
     def __init__(self, address: str, timeout: float = 30.0) -> None:
         self.channel = StepChannel(address)
         self.stub = pb_grpc.BlockManagerStub(self.channel.channel)
+        self.steps: StepStream[pb.StepResponse] = self.channel.stream(STEP_METHOD, pb.StepResponse, timeout)
         self.timeout = timeout
 
     def step(self, ops: Sequence[Op]) -> StepAnswer:
-        return answer_from_proto(self.stub.Step(step_to_proto(ops), timeout=self.timeout))
+        return self.send(ops).result()
 
     def send(self, ops: Sequence[Op]) -> PendingStep:
-        """The same call, returning at once: the engine collects the executor's tokens meanwhile."""
-        self.channel.keep_polled()
-        return PendingStep(self.stub.Step.future(step_to_proto(ops), timeout=self.timeout))
+        """The step, returning at once: the engine collects the executor's tokens meanwhile."""
+        return PendingStep(self.steps.send(step_to_proto(ops)))
 
     def stats(self) -> BlockStats:
         return stats_from_proto(self.stub.Stats(pb.StatsRequest(), timeout=self.timeout).stats)
@@ -116,4 +116,5 @@ class RemoteBlockManager:
         return stats_from_proto(self.stub.Reset(pb.ResetRequest(), timeout=self.timeout).stats)
 
     def close(self) -> None:
+        self.steps.close()
         self.channel.close()

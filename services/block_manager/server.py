@@ -1,7 +1,7 @@
-"""The block-manager sidecar: the pure core behind gRPC. One Step call per scheduler step.
+"""The block-manager sidecar: the pure core behind gRPC. One Step message per scheduler step, on a stream.
 
-The core is synchronous and every handler runs to completion without awaiting, so each Step is atomic
-with respect to every other call on the event loop.
+The core is synchronous and each step runs to completion without awaiting, so it is atomic with respect to
+every other call on the event loop.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import grpc.aio
 
@@ -18,6 +19,7 @@ from ...protos import executor_pb2, executor_pb2_grpc
 from ..common.addresses import add_allow_remote_argument, check_sidecar_listen
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from ..common.processes import wait_serving
+from ..common.tracing import message_span
 from .manager import BlockCopy, BlockManager
 from .stats import BlockStats
 from .step import (
@@ -38,6 +40,7 @@ from .step import (
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
+STEP_METHOD = f"{SERVICE_NAME}/Step"
 
 
 def op_from_proto(index: int, op: pb.Op) -> Op:
@@ -97,7 +100,14 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         self.manager = manager
         self.check_integrity = check_integrity  # every invariant recomputed after each change (tests, soak)
 
-    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+    async def Step(self, requests: AsyncIterator[pb.StepRequest],
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResponse]:
+        async for request in requests:
+            with message_span(STEP_METHOD, request.traceparent):
+                response = self._step(request)
+            yield response
+
+    def _step(self, request: pb.StepRequest) -> pb.StepResponse:
         ops = [op_from_proto(i, op) for i, op in enumerate(request.ops)]
         outcomes = apply_step(self.manager, ops)
         if self.check_integrity:

@@ -74,6 +74,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self) -> None:
         # method -> (handler, its wrapper): wrapping once per method keeps the per-call cost to a lookup
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self.streams = OpenStreams()
 
     async def intercept_service(
         self,
@@ -85,7 +86,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return handler
         cached = self._wrapped.get(details.method)
         if cached is None or cached[0] is not handler:
-            cached = (handler, _wrap(handler, details.method))
+            cached = (handler, _wrap(handler, details.method, self.streams))
             self._wrapped[details.method] = cached
         return cached[1]
 
@@ -116,8 +117,69 @@ def _parsed(request: Any) -> Any:
     return request
 
 
-def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+class OpenStreams:
+    """The request streams of the server's open bidirectional calls (the sidecars' step streams), so that a
+    graceful stop can end them: a client keeps its stream open for as long as the server lives, which would
+    hold the stop for its whole grace."""
+
+    def __init__(self) -> None:
+        self.open: set[StreamRequests] = set()
+        self.stopping = False
+
+    def end(self) -> None:
+        """Each stream answers what it has read and then ends UNAVAILABLE; one waiting for a message ends now."""
+        self.stopping = True
+        for stream in self.open:
+            if stream.reading is not None:
+                stream.reading.cancel()
+
+
+class StreamRequests:
+    """A bidirectional call's requests as its handler reads them: parsed (InvalidRequest for bytes that are
+    not a message), and ended with NotReady (UNAVAILABLE) once the service stops."""
+
+    def __init__(self, requests: AsyncIterator[Any], streams: OpenStreams) -> None:
+        self.requests, self.streams = requests, streams
+        self.reading: asyncio.Task[Any] | None = None  # the task waiting for the next message, if one is
+
+    def __aiter__(self) -> StreamRequests:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.streams.stopping:
+            raise NotReady("the service is stopping")
+        self.reading = asyncio.current_task()
+        try:
+            request = await self.requests.__anext__()
+        except asyncio.CancelledError:
+            if self.streams.stopping:  # cancelled by OpenStreams.end
+                raise NotReady("the service is stopping") from None
+            raise
+        finally:
+            self.reading = None
+        return _parsed(request)
+
+
+def _wrap(handler: grpc.RpcMethodHandler, method: str, streams: OpenStreams) -> grpc.RpcMethodHandler:
     deserializer = _tolerant(handler.request_deserializer)
+    if handler.stream_stream is not None:
+        inner_bidi = handler.stream_stream
+
+        async def stream_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            # no span for the call: it carries many steps, and the servicer traces each (its traceparent)
+            reading = StreamRequests(requests, streams)
+            streams.open.add(reading)
+            try:
+                async for response in inner_bidi(reading, context):
+                    yield response
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                await _abort(context, exc, method)
+            finally:
+                streams.open.discard(reading)
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream, deserializer, handler.response_serializer)
     if handler.unary_unary is not None:
         inner_unary = handler.unary_unary
 
@@ -182,7 +244,8 @@ class GrpcService:
         self.listen = listen
         self.service_names = list(service_names)
         self.credentials = credentials
-        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), *interceptors],
+        self.errors = ErrorMappingInterceptor()
+        self.server = grpc.aio.server(interceptors=[self.errors, *interceptors],
                                       options=server_options(max_receive_bytes))
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -215,6 +278,7 @@ class GrpcService:
 
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
+        self.errors.streams.end()
         await self.server.stop(grace)
 
 

@@ -1,8 +1,8 @@
 """The standard gRPC health service (grpc.health.v1), on asyncio, as every service of ours serves it.
 
 As grpcio's own, except for the end: at a graceful stop each Watch stream writes NOT_SERVING and then ends
-(OK). Our clients keep a Watch open on their sidecar channels (channels.StepChannel); grpcio's streams never
-end, so each held the server's stop for its whole grace.
+(OK). grpcio's streams never end, so each open Watch (a load balancer's, a client library's) held the server's
+stop for its whole grace.
 """
 
 from __future__ import annotations

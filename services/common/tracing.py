@@ -4,14 +4,17 @@ Tracing is on when the standard `OTEL_EXPORTER_OTLP_ENDPOINT` is set (e.g. `http
 service exports its spans under `service.name` = `pagedserve-<service>`, batched. Otherwise no span is made
 (the per-step RPCs are latency-critical). Context crosses processes in the W3C `traceparent` gRPC metadata:
 `TracingClientInterceptor` injects it on our sidecar calls and every server span (grpc_server.py) extracts it,
-so a client's own trace continues into the frontend's Generate span, and each engine step's Execute and Step
-calls are children of that step's span, in the executor's and block manager's traces.
+so a client's own trace continues into the frontend's Generate span. The sidecars' step streams carry many
+steps in one call, so each step message carries its own `traceparent` instead (`client_span`, `message_span`):
+each engine step's Execute and Step are children of that step's span, in the executor's and block manager's
+traces.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -81,3 +84,25 @@ class _CallDetails(grpc.ClientCallDetails):
 def traced_channel(channel: grpc.Channel) -> grpc.Channel:
     """The channel with client spans and context propagation when tracing is on; as it is otherwise."""
     return grpc.intercept_channel(channel, TracingClientInterceptor()) if tracing_enabled() else channel
+
+
+def client_span(method: str) -> tuple[Any, str]:
+    """A CLIENT span for one message of a step stream, child of the current span, and the traceparent to send
+    in the message; (None, "") when tracing is off. The caller ends the span when the answer comes."""
+    if not tracing_enabled():
+        return None, ""
+    span = tracer().start_span(method, kind=trace.SpanKind.CLIENT)
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return span, carrier.get("traceparent", "")
+
+
+@contextmanager
+def message_span(method: str, traceparent: str) -> Iterator[None]:
+    """A SERVER span for one message of a step stream, continuing the trace its traceparent names."""
+    if not tracing_enabled():
+        yield
+        return
+    context = propagate.extract({"traceparent": traceparent} if traceparent else {})
+    with tracer().start_as_current_span(method, context=context, kind=trace.SpanKind.SERVER, record_exception=False):
+        yield

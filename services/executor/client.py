@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import chain
 
-import grpc
-
 from ...protos import executor_pb2 as pb
 from ...protos import executor_pb2_grpc as pb_grpc
-from ..common.channels import StepChannel
+from ..common.channels import Pending, StepChannel, StepStream
 from .step_types import ExecutorInfo, HeldTables, SampledToken, StepInput
 
+EXECUTE_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Executor'].full_name}/Execute"
 
 def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = None) -> pb.ExecuteRequest:
     """`held`: the tables the executor holds; only the others are sent (and recorded as held from now on).
@@ -63,25 +62,25 @@ def tokens_from_proto(response: pb.ExecuteResponse) -> list[SampledToken]:
 class RunningStep:
     """A step sent to the executor, not answered yet."""
 
-    def __init__(self, future: grpc.Future) -> None:
-        self.future = future
+    def __init__(self, pending: Pending[pb.ExecuteResponse]) -> None:
+        self.pending = pending
 
     def result(self) -> list[SampledToken]:
-        return tokens_from_proto(self.future.result())
+        return tokens_from_proto(self.pending.result())
 
 
 class RemoteExecutor:
     def __init__(self, address: str, timeout: float = 600.0) -> None:
         self.channel = StepChannel(address)
         self.stub = pb_grpc.ExecutorStub(self.channel.channel)
+        self.steps: StepStream[pb.ExecuteResponse] = self.channel.stream(EXECUTE_METHOD, pb.ExecuteResponse, timeout)
         self.timeout = timeout
         self.epoch = 0
         self.held = HeldTables()  # what the executor holds, as far as the steps sent tell
 
     def submit(self, step: StepInput) -> RunningStep:
         """Sends the step and returns at once: overlapped steps queue behind the one running."""
-        self.channel.keep_polled()
-        return RunningStep(self.stub.Execute.future(step_to_proto(step, self.epoch, self.held), timeout=self.timeout))
+        return RunningStep(self.steps.send(step_to_proto(step, self.epoch, self.held)))
 
     def info(self) -> ExecutorInfo:
         return _info(self.stub.Info(pb.InfoRequest(), timeout=self.timeout))
@@ -94,6 +93,7 @@ class RemoteExecutor:
         return info
 
     def close(self) -> None:
+        self.steps.close()
         self.channel.close()
 
 

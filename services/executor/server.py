@@ -1,7 +1,8 @@
 """`pagedserve executor`: the model behind gRPC. Loads weights, sizes the KV cache, warms up, then serves.
 
-Health stays NOT_SERVING until the weights are loaded and a warm-up step has run. Steps run one at a time
-on a dedicated thread, so the event loop keeps answering health checks during a forward pass. Steps carry
+Health stays NOT_SERVING until the weights are loaded and a warm-up step has run. A frontend's steps come on
+one stream, in the order they run: one at a time on a dedicated thread, so the event loop keeps reading the
+next step and answering health checks during a forward pass. Steps carry
 the epoch of the frontend's last `Reset`: one of an older epoch (sent before the frontend lost this
 executor or its block manager) is refused, or skipped if it was queued already, and never touches the cache.
 """
@@ -10,8 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate, chain
 
@@ -22,13 +22,14 @@ from ...protos import executor_pb2_grpc as pb_grpc
 from ..common.addresses import add_allow_remote_argument, check_sidecar_listen
 from ..common.errors import InvalidRequest, NotReady
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
+from ..common.tracing import message_span
 from .engine_config import build_runner
 from .options import ExecutorConfig, add_executor_arguments
 from .runner import ModelRunner
-from .step_types import LAST_SAMPLED, HeldTables, SampledToken, SamplingParams, SequenceInput, StepInput
+from .step_types import HeldTables, SampledToken, SamplingParams, SequenceInput, StepInput
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
-ORDER_WAIT_S = 2.0  # how long a step waits for the step it follows (see ExecutorServicer._after_predecessor)
+EXECUTE_METHOD = f"{SERVICE_NAME}/Execute"
 
 
 def step_from_proto(r: pb.ExecuteRequest) -> StepInput:
@@ -94,14 +95,24 @@ def tokens_to_proto(tokens: list[SampledToken]) -> pb.ExecuteResponse:
     return response
 
 
+class _Stream:
+    """One Execute call's state, as the step thread sees it."""
+
+    failed = False
+
+
+def _failed(exc: Exception) -> asyncio.Future[list[SampledToken]]:
+    future: asyncio.Future[list[SampledToken]] = asyncio.get_running_loop().create_future()
+    future.set_exception(exc)
+    return future
+
+
 class ExecutorServicer(pb_grpc.ExecutorServicer):
     def __init__(self, config: ExecutorConfig) -> None:
         self.config = config
         self.runner: ModelRunner | None = None
         self.info: pb.InfoResponse | None = None
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
-        self.last_arrived = 0  # the newest numbered step of this epoch queued for the step thread, or refused
-        self.order = asyncio.Condition()
         self.epoch = 0
         self.tables = HeldTables()  # the block tables of the sequences running here (table_held)
 
@@ -112,42 +123,63 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.info = pb.InfoResponse(**{**vars(info), "eos_token_ids": list(info.eos_token_ids)})
         self.runner = runner
 
-    async def Execute(self, request: pb.ExecuteRequest, context: grpc.aio.ServicerContext) -> pb.ExecuteResponse:
-        runner = self.runner
-        if runner is None:
-            raise NotReady("the model is still loading")
+    async def Execute(self, requests: AsyncIterator[pb.ExecuteRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExecuteResponse]:
+        """Steps are queued for the step thread as they arrive (N+1 waits behind N there, not here) and answered
+        in that order. The first that fails ends the stream with its status; none queued after it runs."""
+        queued: asyncio.Queue[tuple[str, asyncio.Future[list[SampledToken]]] | None] = asyncio.Queue()
+        stream = _Stream()
+
+        async def arrive() -> None:
+            try:
+                async for request in requests:
+                    running = self._queue(request, stream)
+                    queued.put_nowait((request.traceparent, running))
+                    if running.done():  # refused before it was queued: nothing after it is
+                        break
+            except Exception as exc:  # a message that does not parse, or a stopping service: answered in turn
+                queued.put_nowait(("", _failed(exc)))
+            finally:
+                queued.put_nowait(None)
+
+        arriving = asyncio.ensure_future(arrive())
         try:
+            while (step := await queued.get()) is not None:
+                traceparent, running = step
+                with message_span(EXECUTE_METHOD, traceparent):
+                    response = tokens_to_proto(await running)
+                yield response
+        finally:
+            arriving.cancel()
+
+    def _queue(self, request: pb.ExecuteRequest, stream: _Stream) -> asyncio.Future[list[SampledToken]]:
+        """The step, queued for the step thread; or its error, to be answered in its turn."""
+        try:
+            runner = self.runner
+            if runner is None:
+                raise NotReady("the model is still loading")
             step = step_from_proto(request)
             if request.epoch != self.epoch:  # UNAVAILABLE: to its sender this executor is lost (restarted, or reset)
                 raise NotReady(f"epoch: the step is of epoch {request.epoch}, the executor's is {self.epoch}")
-            if step.step_id and any(seq.token_ids[:1] == [LAST_SAMPLED] for seq in step.sequences):
-                await self._after_predecessor(step.step_id, request.epoch)
-            running = asyncio.get_running_loop().run_in_executor(self.thread, self._run_step, runner, step,
-                                                                 list(request.table_held), request.epoch)
-        finally:  # queued or refused, this step has arrived: the next may go
-            if request.step_id and request.epoch == self.epoch:
-                async with self.order:
-                    self.last_arrived = max(self.last_arrived, request.step_id)
-                    self.order.notify_all()
-        return tokens_to_proto(await running)
+        except Exception as exc:
+            return _failed(exc)
+        return asyncio.get_running_loop().run_in_executor(self.thread, self._run_step, runner, step,
+                                                          list(request.table_held), request.epoch, stream)
 
-    async def _after_predecessor(self, step_id: int, epoch: int) -> None:
-        """Step N asks for what step N-1 samples, and the step thread runs steps in the order they are queued:
-        N waits until N-1 has arrived (queued, or refused). Both are in flight at once, and N-1 may even be read
-        after N (two calls on one connection: a larger message takes longer to read). One that never comes (a
-        broken client) lets N go after ORDER_WAIT_S, to fail on its LAST_SAMPLED inputs."""
-        async with self.order:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.order.wait_for(
-                    lambda: self.last_arrived >= step_id - 1 or self.epoch != epoch), ORDER_WAIT_S)
-
-    def _run_step(self, runner: ModelRunner, step: StepInput, held: list[bool], epoch: int) -> list[SampledToken]:
-        """On the step thread, in step order: a step queued before a Reset is void; held tables are those of
-        the steps run before it."""
+    def _run_step(self, runner: ModelRunner, step: StepInput, held: list[bool], epoch: int,
+                  stream: _Stream) -> list[SampledToken]:
+        """On the step thread, in step order: a step queued before a Reset, or behind a failed step of its
+        stream, is void; held tables are those of the steps run before it."""
         if epoch != self.epoch:
             raise NotReady(f"epoch: the step is of epoch {epoch}, the executor moved on to {self.epoch}")
-        step = self.tables.resolve(step, held)
-        tokens = runner.execute(step)
+        if stream.failed:
+            raise InvalidRequest("an earlier step on this stream failed: this one is void")
+        try:
+            step = self.tables.resolve(step, held)
+            tokens = runner.execute(step)
+        except Exception:
+            stream.failed = True
+            raise
         self.tables.commit(step)
         return tokens
 
@@ -162,9 +194,6 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.epoch = request.epoch
         # the step thread runs in order: once this has run, every step queued before has run or been skipped
         await asyncio.get_running_loop().run_in_executor(self.thread, self._reset, runner)
-        async with self.order:  # steps waiting for a predecessor of the old epoch go, to be refused
-            self.last_arrived = 0
-            self.order.notify_all()
         return await self.Info(pb.InfoRequest(), context)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:

@@ -14,7 +14,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from polling import wait_for
 
 from pagedserve.protos import block_manager_pb2 as pb
 from pagedserve.protos import block_manager_pb2_grpc as pb_grpc
@@ -30,10 +29,21 @@ def server() -> Iterator[ServiceProcess]:
         yield s
 
 
+class OneStepStub:
+    """The stub, with each Step its own one-message stream (the frontend's client keeps one stream for all;
+    see test_one_stream_carries_the_steps_in_order)."""
+
+    def __init__(self, stub: pb_grpc.BlockManagerStub) -> None:
+        self.raw, self.Stats, self.Reset = stub, stub.Stats, stub.Reset
+
+    def Step(self, request: pb.StepRequest) -> pb.StepResponse:
+        return next(self.raw.Step(iter([request]), timeout=30))
+
+
 @pytest.fixture
-def stub(server: ServiceProcess) -> Iterator[pb_grpc.BlockManagerStub]:
+def stub(server: ServiceProcess) -> Iterator[OneStepStub]:
     with grpc.insecure_channel(server.address) as channel:
-        stub = pb_grpc.BlockManagerStub(channel)
+        stub = OneStepStub(pb_grpc.BlockManagerStub(channel))
         stub.Reset(pb.ResetRequest())
         yield stub
 
@@ -58,7 +68,7 @@ def commit(seq_id: int, n: int) -> pb.Op:
     return pb.Op(commit=pb.Commit(seq_id=seq_id, num_computed_tokens=n))
 
 
-def test_batched_steps_prefill_decode_fork_cow_swap_free(stub: pb_grpc.BlockManagerStub) -> None:
+def test_batched_steps_prefill_decode_fork_cow_swap_free(stub: OneStepStub) -> None:
     r = stub.Step(pb.StepRequest(ops=[admit(1, [1, 2, 3, 4, 5, 6], 6)]))
     assert [x.status for x in r.results] == [pb.GRANTED]
     assert list(r.results[0].slot_mapping) == [0, 1, 2, 3, 4, 5]
@@ -93,7 +103,7 @@ def test_batched_steps_prefill_decode_fork_cow_swap_free(stub: pb_grpc.BlockMana
     assert r.stats.num_used_blocks == 0 and r.stats.num_sequences == 0 and r.stats.num_cached_blocks == 1
 
 
-def test_refusal_is_per_op_and_later_ops_on_that_sequence_are_skipped(stub: pb_grpc.BlockManagerStub) -> None:
+def test_refusal_is_per_op_and_later_ops_on_that_sequence_are_skipped(stub: OneStepStub) -> None:
     r = stub.Step(pb.StepRequest(ops=[admit(1, list(range(40)), 40), admit(2, [1, 2], 2)]))
     assert [x.status for x in r.results] == [pb.REFUSED, pb.GRANTED]  # 10 blocks of 4: more than the 8 there are
     assert "admission needs more than the 8 free blocks" in r.results[0].reason
@@ -105,7 +115,7 @@ def test_refusal_is_per_op_and_later_ops_on_that_sequence_are_skipped(stub: pb_g
     assert "too few to swap in" in r.results[0].reason and "earlier op on sequence 3" in r.results[1].reason
 
 
-def test_decode_op_batches_a_whole_step(stub: pb_grpc.BlockManagerStub) -> None:
+def test_decode_op_batches_a_whole_step(stub: OneStepStub) -> None:
     ops = [admit(1, [1, 2, 3, 4], 4), admit(2, [5, 6, 7], 3)]
     stub.Step(pb.StepRequest(ops=ops))
     decode = pb.Op(decode=pb.Decode(seq_ids=[1, 2], token_ids=[9, 9]))
@@ -149,7 +159,7 @@ BAD_STEPS = [
 
 @pytest.mark.parametrize(("setup", "ops", "message"), BAD_STEPS)
 def test_bad_input_is_invalid_argument_and_changes_nothing(
-    stub: pb_grpc.BlockManagerStub, setup: list[pb.Op], ops: list[pb.Op], message: str
+    stub: OneStepStub, setup: list[pb.Op], ops: list[pb.Op], message: str
 ) -> None:
     if setup:
         assert all(r.status == pb.GRANTED for r in stub.Step(pb.StepRequest(ops=setup)).results)
@@ -200,10 +210,34 @@ def test_health_watch_follows_the_service_until_it_stops() -> None:
         assert service.proc.wait(timeout=15) == 0
 
 
-def test_the_client_starts_no_thread_per_call_and_survives_a_restart(tmp_path: Path) -> None:
-    """grpcio starts a thread to poll a channel whenever a future call finds none in flight: one per Step for a
-    client with one call at a time. The client keeps a health Watch open instead, and opens another when the
-    service restarted (counted through threading.settrace, which every new Python thread calls)."""
+def test_one_stream_carries_the_steps_in_order(stub: OneStepStub) -> None:
+    """Steps sent before any is answered come back in order, each applied after the one before; a bad one
+    ends the stream INVALID_ARGUMENT after the good ones were answered."""
+    steps = [pb.StepRequest(ops=[admit(1, [1, 2, 3, 4], 4)]),
+             pb.StepRequest(ops=[pb.Op(decode=pb.Decode(seq_ids=[1], token_ids=[5]))]),
+             pb.StepRequest(ops=[pb.Op(decode=pb.Decode(seq_ids=[1], token_ids=[6]))]),
+             pb.StepRequest(ops=[reserve(99, 1)]),
+             pb.StepRequest(ops=[free(1)])]  # never applied: the stream ended before it
+    answers = stub.raw.Step(iter(steps), timeout=30)
+    assert [list(next(answers).results[0].slot_mapping) for _ in range(3)] == [[0, 1, 2, 3], [4], [5]]
+    with pytest.raises(grpc.RpcError) as info:
+        next(answers)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown sequence 99" in info.value.details()
+    assert stub.Stats(pb.StatsRequest()).stats.num_sequences == 1
+
+
+def test_a_message_that_does_not_parse_ends_the_stream_invalid_argument(server: ServiceProcess) -> None:
+    with grpc.insecure_channel(server.address) as channel:
+        raw = channel.stream_stream("/pagedserve.block_manager.v1.BlockManager/Step")
+        with pytest.raises(grpc.RpcError) as info:
+            next(raw(iter([b"\xff\xff\xff"]), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request:" in info.value.details()
+
+
+def test_the_client_starts_no_thread_per_step_and_survives_a_restart(tmp_path: Path) -> None:
+    """The client's steps share one stream: no thread starts per step (counted through threading.settrace,
+    which every new Python thread calls). A stopping service ends the stream UNAVAILABLE (a lost sidecar, to
+    the frontend), and the next step opens a stream to the service started again on the same socket."""
     listen = f"unix:{tmp_path}/bm.sock"
     args = ["block-manager", "--num-blocks", "8", "--block-size", "4"]
     started: list[str] = []
@@ -213,17 +247,39 @@ def test_the_client_starts_no_thread_per_call_and_survives_a_restart(tmp_path: P
 
     client = RemoteBlockManager(listen)
     for _ in range(2):  # the service, then the service started again on the same socket
-        with running_service(args, listen=listen):
-            client.send([]).result()  # (re)opens the Watch
+        with running_service(args, listen=listen) as service:
+            client.send([]).result()  # (re)opens the stream
             threading.settrace(count_thread)
             try:
                 for _ in range(20):
                     client.send([]).result()
             finally:
                 threading.settrace(None)  # type: ignore[arg-type]
-            assert started == [], f"threads started by calls: {started}"
-        wait_for(lambda: not client.channel.watch_open, "the client saw the service's Watch end")
+            assert started == [], f"threads started by steps: {started}"
+            service.proc.send_signal(signal.SIGTERM)
+            assert service.proc.wait(timeout=15) == 0
+        with pytest.raises(grpc.RpcError) as lost:
+            client.send([]).result()
+        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE and "stopping" in lost.value.details(), lost.value
     client.close()
+
+
+def test_a_step_unanswered_past_the_timeout_is_deadline_exceeded(tmp_path: Path) -> None:
+    """A block manager that stops answering (SIGSTOP) fails the step DEADLINE_EXCEEDED once the client's
+    timeout passes, although the stream has no deadline of its own; once it runs again, the next step works."""
+    listen = f"unix:{tmp_path}/bm.sock"
+    with running_service(["block-manager", "--num-blocks", "8", "--block-size", "4"], listen=listen) as service:
+        client = RemoteBlockManager(listen, timeout=1.0)
+        client.send([]).result()
+        os.kill(service.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(grpc.RpcError) as late:
+                client.send([]).result()
+        finally:
+            os.kill(service.proc.pid, signal.SIGCONT)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert client.send([]).result().stats.num_total_blocks == 8
+        client.close()
 
 
 def test_sigterm_stops_gracefully() -> None:

@@ -35,10 +35,21 @@ def executor(tiny_llama_dir: Path) -> Iterator[ServiceProcess]:
         yield service
 
 
+class OneStepStub:
+    """The stub, with each Execute its own one-message stream (the frontend's client keeps one stream for all;
+    see test_overlapped_steps_feed_the_tokens_they_sampled_forward)."""
+
+    def __init__(self, stub: pb_grpc.ExecutorStub) -> None:
+        self.raw, self.Info, self.Reset = stub, stub.Info, stub.Reset
+
+    def Execute(self, request: pb.ExecuteRequest) -> pb.ExecuteResponse:
+        return next(self.raw.Execute(iter([request]), timeout=60))
+
+
 @pytest.fixture
-def stub(executor: ServiceProcess) -> Iterator[pb_grpc.ExecutorStub]:
+def stub(executor: ServiceProcess) -> Iterator[OneStepStub]:
     with grpc.insecure_channel(executor.address) as channel:
-        yield pb_grpc.ExecutorStub(channel)
+        yield OneStepStub(pb_grpc.ExecutorStub(channel))
 
 
 def seq_step(seq_id: int, tokens: list[int], start: int, table: list[int], sample: bool = True) -> SequenceInput:
@@ -55,14 +66,14 @@ def tokens(response: pb.ExecuteResponse) -> list[SampledToken]:
     return tokens_from_proto(response)
 
 
-def test_info_reports_the_cache_geometry(stub: pb_grpc.ExecutorStub) -> None:
+def test_info_reports_the_cache_geometry(stub: OneStepStub) -> None:
     info = stub.Info(pb.InfoRequest())
     backend = "cpu" if cpu_unavailable_reason() is None else "torch"  # the native kernel, where this machine builds it
     assert (info.num_blocks, info.block_size, info.vocab_size, info.kernel_backend) == (32, BLOCK, 96, backend)
     assert info.dtype == "float32" and info.num_cpu_blocks > 0 and info.model_digest.startswith("sha256:")
 
 
-def test_prefill_then_decode_match_hf_greedy(stub: pb_grpc.ExecutorStub, tiny_llama_dir: Path) -> None:
+def test_prefill_then_decode_match_hf_greedy(stub: OneStepStub, tiny_llama_dir: Path) -> None:
     from transformers import LlamaForCausalLM
 
     prompt = [5, 17, 42, 8, 9, 60]
@@ -87,7 +98,7 @@ def test_prefill_then_decode_match_hf_greedy(stub: pb_grpc.ExecutorStub, tiny_ll
     assert forked.top_logprobs == pytest.approx(again.top_logprobs, abs=1e-5)
 
 
-def test_a_held_block_table_is_used_until_released_or_reset(stub: pb_grpc.ExecutorStub) -> None:
+def test_a_held_block_table_is_used_until_released_or_reset(stub: OneStepStub) -> None:
     """The frontend's client sends a sequence's table only when it changed (`table_held`); the executor uses
     the one it holds, and forgets it when the sequence is released or the executor resets."""
     sender, table, prompt = HeldTables(), [12, 13], [5, 17, 42, 8, 9, 60]
@@ -115,9 +126,9 @@ def test_a_held_block_table_is_used_until_released_or_reset(stub: pb_grpc.Execut
     assert reset.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "holds no block table" in reset.value.details()
 
 
-def test_overlapped_steps_feed_the_tokens_they_sampled_forward(stub: pb_grpc.ExecutorStub) -> None:
-    """Steps 2 and 3 are sent before step 1 answers, each with LAST_SAMPLED (-1) as its input: the executor
-    runs them in order and gives the tokens that serial steps with known inputs give."""
+def test_overlapped_steps_feed_the_tokens_they_sampled_forward(stub: OneStepStub) -> None:
+    """Steps 42 and 43 are sent on one stream with step 41, before it answers, each with LAST_SAMPLED (-1) as its
+    input: the executor runs them in order and gives the tokens that serial steps with known inputs give."""
     prompt, table = [5, 17, 42, 8, 9, 60], [12, 13, 14]
     serial = [tokens(stub.Execute(step(seq_step(1, prompt, 0, table))))[0].token_id]
     for position in (6, 7):
@@ -125,10 +136,10 @@ def test_overlapped_steps_feed_the_tokens_they_sampled_forward(stub: pb_grpc.Exe
         serial.append(tokens(stub.Execute(request))[0].token_id)
     base = tokens(stub.Execute(pb.ExecuteRequest()))  # any step number may start a run of overlapped steps
     assert not base
-    futures = [stub.Execute.future(step(seq_step(1, prompt, 0, table), step_id=41))]
+    requests = [step(seq_step(1, prompt, 0, table), step_id=41)]
     for step_id, position in ((42, 6), (43, 7)):
-        futures.append(stub.Execute.future(step(seq_step(1, [-1], position, table), step_id=step_id)))
-    assert [tokens(f.result())[0].token_id for f in futures] == serial
+        requests.append(step(seq_step(1, [-1], position, table), step_id=step_id))
+    assert [tokens(r)[0].token_id for r in stub.raw.Execute(iter(requests), timeout=60)] == serial
     for request, message in (
         (step(seq_step(1, [-1], 8, table), step_id=45), "last step run was 43"),
         (step(seq_step(1, [-1], 8, table)), "last step run was"),
@@ -136,20 +147,25 @@ def test_overlapped_steps_feed_the_tokens_they_sampled_forward(stub: pb_grpc.Exe
         (step(seq_step(1, [-1, 5], 8, table), step_id=44), "stands alone"),
     ):
         with pytest.raises(grpc.RpcError) as info:
-            stub.Execute(request, timeout=30)
+            stub.Execute(request)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
 
 
-def test_a_step_read_before_the_step_it_follows_waits_for_it(stub: pb_grpc.ExecutorStub) -> None:
-    """Two steps in flight on one connection may be read in either order (a larger message takes longer to
-    read): step N, whose input is what N-1 samples, waits until N-1 has arrived instead of failing."""
+def test_a_failed_step_ends_its_stream_and_voids_the_steps_behind_it(stub: OneStepStub) -> None:
+    """The answers before the failure come back; the step queued behind it never runs: the stream's next
+    step would otherwise sample again from a cache the failed one left as it was."""
     prompt, table = [5, 17, 42, 8, 9, 60], [12, 13, 14]
-    first = tokens(stub.Execute(step(seq_step(1, prompt, 0, table))))[0].token_id
-    second = tokens(stub.Execute(step(seq_step(1, [first], 6, table))))[0].token_id
-    later = stub.Execute.future(step(seq_step(1, [-1], 6, table), step_id=62))
-    time.sleep(0.3)  # step 62 is read, and waits, before step 61 is even sent
-    earlier = stub.Execute.future(step(seq_step(1, prompt, 0, table), step_id=61))
-    assert [tokens(f.result(timeout=60))[0].token_id for f in (earlier, later)] == [first, second]
+    requests = [step(seq_step(1, prompt, 0, table), step_id=71),
+                step(seq_step(1, [-1], 6, [40, 1]), step_id=72),  # fails on the step thread: block 40 is outside
+                step(seq_step(1, [7], 6, table), step_id=73)]  # would run (its inputs are its own), if it ran
+    answers = stub.raw.Execute(iter(requests), timeout=60)
+    first = tokens(next(answers))[0].token_id
+    with pytest.raises(grpc.RpcError) as info:
+        next(answers)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "block_table: 40 outside" in info.value.details()
+    # 73 never ran: the last step run is still 71 (else "last step run was 73"), whose token a new 72 reads
+    again = tokens(stub.Execute(step(seq_step(1, [-1], 6, table), step_id=72)))[0].token_id
+    assert again == tokens(stub.Execute(step(seq_step(1, [first], 6, table))))[0].token_id
 
 
 BAD = [
@@ -174,13 +190,13 @@ BAD = [
 
 
 @pytest.mark.parametrize(("bad", "message"), BAD)
-def test_bad_input_answers_invalid_argument(stub: pb_grpc.ExecutorStub, bad: pb.ExecuteRequest, message: str) -> None:
+def test_bad_input_answers_invalid_argument(stub: OneStepStub, bad: pb.ExecuteRequest, message: str) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.Execute(bad)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
 
 
-def test_bad_block_copies_and_swaps(stub: pb_grpc.ExecutorStub) -> None:
+def test_bad_block_copies_and_swaps(stub: OneStepStub) -> None:
     for request in (pb.ExecuteRequest(copies=[pb.BlockCopy(src=0, dst=32)]),
                     pb.ExecuteRequest(swap_in=[pb.BlockCopy(src=10_000, dst=1)])):
         with pytest.raises(grpc.RpcError) as info:
@@ -189,7 +205,7 @@ def test_bad_block_copies_and_swaps(stub: pb_grpc.ExecutorStub) -> None:
     assert stub.Info(pb.InfoRequest()).num_blocks == 32  # still serving
 
 
-def test_swap_round_trip_preserves_the_cache(stub: pb_grpc.ExecutorStub) -> None:
+def test_swap_round_trip_preserves_the_cache(stub: OneStepStub) -> None:
     prompt = [3, 4, 5, 6, 7]
     first = tokens(stub.Execute(step(seq_step(5, prompt, 0, [20, 21]))))[0].token_id
     stub.Execute(pb.ExecuteRequest(swap_out=[pb.BlockCopy(src=20, dst=0), pb.BlockCopy(src=21, dst=1)]))

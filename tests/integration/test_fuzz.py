@@ -141,6 +141,11 @@ def assert_serving(service: ServiceProcess) -> None:
     assert status == health_pb2.HealthCheckResponse.SERVING
 
 
+def one(method: grpc.StreamStreamMultiCallable, request: Any) -> Any:
+    """A step on a stream of its own: its answer, or its error raised."""
+    return next(method(iter([request]), timeout=60))
+
+
 def answer(call: Callable[[], Any], allowed: set[grpc.StatusCode]) -> Any:
     """The call's response (None when it failed); fails unless its status code is in `allowed`."""
     try:
@@ -163,7 +168,7 @@ def test_block_manager_steps(block_manager: ServiceProcess, data: st.DataObject)
         answer(lambda: stub.Reset(bm.ResetRequest(), timeout=30), {OK})
         for _ in range(data.draw(st.integers(1, 10), label="steps")):
             ops = data.draw(st.lists(sequences.ops(), min_size=1, max_size=3), label="ops")
-            response = answer(lambda ops=ops: stub.Step(bm.StepRequest(ops=ops), timeout=30), {OK, INVALID})
+            response = answer(lambda ops=ops: one(stub.Step, bm.StepRequest(ops=ops)), {OK, INVALID})
             if response is not None:
                 assert len(response.results) == len(ops)
                 sequences.update(ops, response)
@@ -194,7 +199,7 @@ def test_block_manager_huge_repeated_fields(block_manager: ServiceProcess, name:
     with grpc.insecure_channel(block_manager.address) as channel:
         stub = bm_grpc.BlockManagerStub(channel)
         answer(lambda: stub.Reset(bm.ResetRequest(), timeout=30), {OK})
-        response = answer(lambda: stub.Step(bm.StepRequest(ops=ops), timeout=60), {OK, INVALID})
+        response = answer(lambda: one(stub.Step, bm.StepRequest(ops=ops)), {OK, INVALID})
         assert response is None or len(response.results) == len(ops)
         answer(lambda: stub.Reset(bm.ResetRequest(), timeout=30), {OK})
     assert_serving(block_manager)
@@ -212,11 +217,13 @@ def test_executor_steps(executor: ServiceProcess, data: st.DataObject) -> None:
     with grpc.insecure_channel(executor.address) as channel:
         stub = ex_grpc.ExecutorStub(channel)
         answer(lambda: stub.Reset(ex.ResetRequest(epoch=EPOCH), timeout=30), {OK})
-        futures = [stub.Execute.future(request, timeout=30) for request in requests] if overlapped else []
-        for i, request in enumerate(requests):
+        answers = stub.Execute(iter(requests), timeout=60) if overlapped else None  # all on one stream
+        for request in requests:
             allowed = {OK, INVALID} if request.epoch == EPOCH else {INVALID, UNAVAILABLE}  # arrays checked first
-            call = futures[i].result if overlapped else functools.partial(stub.Execute, request, timeout=30)
+            call = functools.partial(next, answers) if answers else functools.partial(one, stub.Execute, request)
             response = answer(call, allowed)
+            if response is None and answers:
+                break  # the stream ended with this step's error: the steps behind it are void
             if response is not None:
                 assert list(response.seq_ids) == list(itertools.compress(request.seq_ids, request.sample))
                 assert all(0 <= t < TINY_VOCAB for t in response.token_ids)
@@ -230,7 +237,7 @@ def test_executor_huge_repeated_fields(executor: ServiceProcess, field: str) -> 
     with grpc.insecure_channel(executor.address) as channel:
         stub = ex_grpc.ExecutorStub(channel)
         answer(lambda: stub.Reset(ex.ResetRequest(epoch=EPOCH), timeout=30), {OK})
-        answer(lambda: stub.Execute(request_, timeout=60), {OK, INVALID})
+        answer(lambda: one(stub.Execute, request_), {OK, INVALID})
     assert_serving(executor)
 
 
@@ -243,7 +250,7 @@ def test_executor_reset_and_info(executor: ServiceProcess, epoch: int) -> None:
         info = answer(lambda: stub.Info(ex.InfoRequest(), timeout=30), {OK})
         assert (info.epoch, info.num_blocks, info.vocab_size) == (epoch, EXECUTOR_BLOCKS, TINY_VOCAB)
         step = ex.ExecuteRequest(epoch=epoch ^ 1)  # an old epoch's step: lost to its sender, never run
-        answer(lambda: stub.Execute(step, timeout=30), {UNAVAILABLE})
+        answer(lambda: one(stub.Execute, step), {UNAVAILABLE})
     assert_serving(executor)
 
 
