@@ -1,10 +1,10 @@
 """Client channels to our sidecars, and the step streams that carry a frontend's steps to them.
 
-A call per step cost both sides about twice the CPU of a message on an open stream (bench overhead: the
-server's share 320 -> 160 µs a step; the client's call set-up as much again). So each sidecar's steps go
-over one bidirectional call (`StepStream`), answered in order, which also keeps grpcio's polling thread
-alive (it starts one whenever a channel has no call in flight). A stream has no per-step deadline, so a
-watchdog thread cancels one whose oldest awaited answer is later than the step timeout.
+A unary call per step cost the server about twice the CPU of a message on an open stream (~320 against
+~160 µs). So each sidecar's steps go over one bidirectional call (`StepStream`), answered in order, which
+also keeps grpcio's polling thread alive (it starts one whenever a channel has no call in flight). A stream
+has no per-step deadline, so a watchdog thread cancels one whose awaited answer is later than the step
+timeout; and no per-call metadata, so each message carries its step's trace context.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -111,8 +112,8 @@ class _Call(Generic[Response]):
     def __init__(self, method: grpc.StreamStreamMultiCallable, name: str) -> None:
         self.name = name
         self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        # grpcio reads the request iterator on a thread of its own
-        self.responses: Any = method(iter(self.requests.get, _END))
+        self.taken = threading.Semaphore(0)
+        self.responses: Any = method(self._requests())
         self.sent = self.received = 0
         self.answers: dict[int, Response] = {}
         self.failure: grpc.RpcError | None = None
@@ -121,8 +122,19 @@ class _Call(Generic[Response]):
 
     def send(self, request: Any, deadline: float, span: Any) -> Pending[Response]:
         self.requests.put(request)
+        # grpcio reads the requests on a thread of its own, which needs the GIL: without this wait the engine
+        # kept it, and the message left only once the engine next blocked (for the block manager: when it
+        # wanted the answer). Waiting here lets that thread take it now; it sends it before it gives the GIL up.
+        while not self.taken.acquire(timeout=0.1):
+            if not self.responses.is_active():  # no thread takes it: its answer will be the call's error
+                break
         self.sent += 1
         return Pending(self, self.sent - 1, deadline, span)
+
+    def _requests(self) -> Iterator[Any]:
+        while (request := self.requests.get()) is not _END:
+            self.taken.release()
+            yield request
 
     def answer(self, index: int, deadline: float) -> Response:
         while index not in self.answers and self.failure is None:
