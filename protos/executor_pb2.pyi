@@ -158,8 +158,9 @@ class ExecuteRequest(_message.Message):
     def table_held(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
         """Empty, or one entry per sequence: true when this executor holds the sequence's block table from an
         earlier step (its block_table_lens entry is 0 and it has no block_tables entries); false when the
-        table follows, replacing any held. A table is held from a successful step until the sequence is in
-        released_seq_ids or a Reset: a decoding sequence's table changes about once per block_size steps.
+        table follows, replacing any held. A table is held from a step the executor accepted (queued) until
+        the sequence is in released_seq_ids or a Reset: a decoding sequence's table changes about once per
+        block_size steps.
         """
 
     def __init__(

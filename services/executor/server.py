@@ -153,7 +153,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             arriving.cancel()
 
     def _queue(self, request: pb.ExecuteRequest, stream: _Stream) -> asyncio.Future[list[SampledToken]]:
-        """The step, queued for the step thread; or its error, to be answered in its turn."""
+        """The step, queued for the step thread; or its error, to be answered in its turn. Held tables are
+        filled in here, while the step before runs, not between two steps on the step thread: they are those
+        of the steps that arrived before it (a step behind a failed one never runs)."""
         try:
             runner = self.runner
             if runner is None:
@@ -161,39 +163,34 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             step = step_from_proto(request)
             if request.epoch != self.epoch:  # UNAVAILABLE: to its sender this executor is lost (restarted, or reset)
                 raise NotReady(f"epoch: the step is of epoch {request.epoch}, the executor's is {self.epoch}")
+            step = self.tables.resolve(step, request.table_held)
         except Exception as exc:
             return _failed(exc)
-        return asyncio.get_running_loop().run_in_executor(self.thread, self._run_step, runner, step,
-                                                          list(request.table_held), request.epoch, stream)
+        self.tables.commit(step)
+        return asyncio.get_running_loop().run_in_executor(self.thread, self._run_step, runner, step, request.epoch,
+                                                          stream)
 
-    def _run_step(self, runner: ModelRunner, step: StepInput, held: list[bool], epoch: int,
-                  stream: _Stream) -> list[SampledToken]:
+    def _run_step(self, runner: ModelRunner, step: StepInput, epoch: int, stream: _Stream) -> list[SampledToken]:
         """On the step thread, in step order: a step queued before a Reset, or behind a failed step of its
-        stream, is void; held tables are those of the steps run before it."""
+        stream, is void."""
         if epoch != self.epoch:
             raise NotReady(f"epoch: the step is of epoch {epoch}, the executor moved on to {self.epoch}")
         if stream.failed:
             raise InvalidRequest("an earlier step on this stream failed: this one is void")
         try:
-            step = self.tables.resolve(step, held)
-            tokens = runner.execute(step)
+            return runner.execute(step)
         except Exception:
             stream.failed = True
             raise
-        self.tables.commit(step)
-        return tokens
-
-    def _reset(self, runner: ModelRunner) -> None:
-        runner.reset()
-        self.tables.clear()
 
     async def Reset(self, request: pb.ResetRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         runner = self.runner
         if runner is None or self.info is None:
             raise NotReady("the model is still loading")
         self.epoch = request.epoch
+        self.tables.clear()  # the steps queued before have theirs filled in already, and are void
         # the step thread runs in order: once this has run, every step queued before has run or been skipped
-        await asyncio.get_running_loop().run_in_executor(self.thread, self._reset, runner)
+        await asyncio.get_running_loop().run_in_executor(self.thread, runner.reset)
         return await self.Info(pb.InfoRequest(), context)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:

@@ -94,8 +94,9 @@ class LastSampled:
 class HeldTables:
     """The block tables a remote executor holds, so that a step names only the tables that changed (the
     `table_held` field of ExecuteRequest). The frontend's side (`sent`) and the executor's (`resolve`, then
-    `commit` once the step has run) follow the same rules: a table is held from a step that ran until its
-    sequence is released or the executor resets."""
+    `commit` as the step is queued) follow the same rules: a table is held from a step sent (on the
+    executor's side: accepted, queued) until its sequence is released or the executor resets. A step that
+    fails voids the steps behind it, and the frontend fails its requests."""
 
     def __init__(self) -> None:
         self.tables: dict[int, Sequence[int]] = {}
@@ -120,7 +121,7 @@ class HeldTables:
 
     def resolve(self, step: StepInput, held: Sequence[bool]) -> StepInput:
         """The executor's side: the step with every held table filled in (InvalidRequest if one is not held).
-        Changes nothing: `commit` records the step's new tables once it has run."""
+        Changes nothing: `commit` records the step's new tables."""
         if not any(held):
             return step
         tables = self.tables
