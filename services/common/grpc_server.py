@@ -160,6 +160,29 @@ class StreamRequests:
         return _parsed(request)
 
 
+async def _mapped(call: Callable[[], Awaitable[Any]], context: grpc.aio.ServicerContext, method: str) -> Any:
+    """A handler's call, with a domain error answered as its status (anything unexpected: INTERNAL)."""
+    try:
+        return await call()
+    except (grpc.aio.AbortError, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        await _abort(context, exc, method)
+
+
+async def _mapped_stream(
+    call: Callable[[], AsyncIterator[Any]], context: grpc.aio.ServicerContext, method: str
+) -> AsyncIterator[Any]:
+    """The same for a handler that yields its responses."""
+    try:
+        async for response in call():
+            yield response
+    except (grpc.aio.AbortError, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        await _abort(context, exc, method)
+
+
 def _wrap(handler: grpc.RpcMethodHandler, method: str, streams: OpenStreams) -> grpc.RpcMethodHandler:
     deserializer = _tolerant(handler.request_deserializer)
     if handler.stream_stream is not None:
@@ -170,12 +193,8 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, streams: OpenStreams) -> 
             reading = StreamRequests(requests, streams)
             streams.open.add(reading)
             try:
-                async for response in inner_bidi(reading, context):
+                async for response in _mapped_stream(lambda: inner_bidi(reading, context), context, method):
                     yield response
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                await _abort(context, exc, method)
             finally:
                 streams.open.discard(reading)
 
@@ -185,12 +204,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, streams: OpenStreams) -> 
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             with _server_span(method, context):
-                try:
-                    return await inner_unary(_parsed(request), context)
-                except (grpc.aio.AbortError, asyncio.CancelledError):
-                    raise
-                except Exception as exc:
-                    await _abort(context, exc, method)
+                return await _mapped(lambda: inner_unary(_parsed(request), context), context, method)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, handler.response_serializer)
     if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
@@ -198,13 +212,9 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, streams: OpenStreams) -> 
 
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             with _server_span(method, context):
-                try:
-                    async for response in inner_stream(_parsed(request), context):
-                        yield response
-                except (grpc.aio.AbortError, asyncio.CancelledError):
-                    raise
-                except Exception as exc:
-                    await _abort(context, exc, method)
+                async for response in _mapped_stream(lambda: inner_stream(_parsed(request), context), context,
+                                                     method):
+                    yield response
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, handler.response_serializer)
     if handler.unary_stream is not None:  # a stream written with context.write (health's Watch): awaited
@@ -212,12 +222,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, streams: OpenStreams) -> 
 
         async def unary_stream_writer(request: Any, context: grpc.aio.ServicerContext) -> None:
             with _server_span(method, context):
-                try:
-                    await inner_writer(_parsed(request), context)
-                except (grpc.aio.AbortError, asyncio.CancelledError):
-                    raise
-                except Exception as exc:
-                    await _abort(context, exc, method)
+                await _mapped(lambda: inner_writer(_parsed(request), context), context, method)
 
         return grpc.unary_stream_rpc_method_handler(unary_stream_writer, deserializer, handler.response_serializer)
     return handler
