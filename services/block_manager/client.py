@@ -113,7 +113,9 @@ class RemoteBlockManager:
         return stats_from_proto(self.stub.Stats(pb.StatsRequest(), timeout=self.timeout).stats)
 
     def reset(self) -> BlockStats:
-        return stats_from_proto(self.stub.Reset(pb.ResetRequest(), timeout=self.timeout).stats)
+        stats = stats_from_proto(self.stub.Reset(pb.ResetRequest(), timeout=self.timeout).stats)
+        self.steps.reopen()  # the stream may lead to a process that is gone (a restart while idle)
+        return stats
 
     def close(self) -> None:
         self.steps.close()

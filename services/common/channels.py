@@ -80,10 +80,16 @@ class StepStream(Generic[Response]):
         span, request.traceparent = client_span(self.name)
         return self.call.send(request, time.monotonic() + self.timeout, span)
 
-    def close(self) -> None:
-        self._closed.set()
+    def reopen(self) -> None:
+        """Ends the open call, if any: the next step opens another. After a Reset, whose answer shows the
+        sidecar alive, a call to a process that has gone would otherwise fail one more step."""
         if self.call is not None:
             self.call.end()
+            self.call = None
+
+    def close(self) -> None:
+        self._closed.set()
+        self.reopen()
 
     def _watch(self) -> None:
         """Cancels the call whose awaited answer is overdue; wakes a few times per timeout, never per step."""

@@ -89,6 +89,7 @@ class RemoteExecutor:
         """A new epoch: the executor drops every step sent before (see the proto)."""
         info = _info(self.stub.Reset(pb.ResetRequest(epoch=epoch), timeout=self.timeout))
         self.epoch = epoch
+        self.steps.reopen()  # the old epoch's stream may lead to a process that is gone
         self.held.clear()  # a reset executor holds no table
         return info
 

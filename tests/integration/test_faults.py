@@ -176,6 +176,22 @@ def test_a_block_manager_restarted_between_two_steps_is_noticed_and_recovered(
     assert pod.metric("pagedserve_sidecar_recoveries_total") == recoveries + 1
 
 
+@pytest.mark.parametrize("component", ["executor", "block_manager"])
+def test_a_sidecar_restarted_while_idle_is_recovered_once(pod: Pod, expected: list[list[int]], component: str) -> None:
+    """The idle frontend's probe notices the restart and re-synchronises; the next request then runs on a new
+    step stream, not on the one that led to the process that is gone (which would fail it: a second loss)."""
+    recoveries = pod.metric("pagedserve_sidecar_recoveries_total")
+    pod.restart(component)
+    deadline = time.monotonic() + 60
+    while pod.metric("pagedserve_sidecar_recoveries_total") == recoveries:
+        assert time.monotonic() < deadline, "the restart was never noticed"
+        time.sleep(0.05)
+    pod.wait_health(health_pb2.HealthCheckResponse.SERVING)
+    assert pod.stream(PROMPTS[0]) == expected[0]
+    assert pod.metric("pagedserve_sidecar_recoveries_total") == recoveries + 1
+    assert_idle_and_whole(pod)
+
+
 def test_an_executor_stopped_past_the_step_deadline_is_waited_for(pod: Pod, expected: list[list[int]]) -> None:
     def stop_then_continue() -> None:
         os.kill(pod.executor.proc.pid, signal.SIGSTOP)
