@@ -155,6 +155,19 @@ class CountingTokenizer:
         return self.tokenizer.decode(ids, **kwargs)
 
 
+def test_the_rust_decode_is_the_wrappers_with_clean_up_off(smollm2):
+    """The detokenizer calls a fast tokenizer's Rust `decode` directly: on random windows of ids (special ones
+    included), with and without skipping special tokens, it gives what transformers' decode gives."""
+    rng = random.Random(7)
+    specials = list(smollm2.all_special_ids)
+    for _ in range(3000):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(smollm2))
+               for _ in range(rng.randint(1, 9))]
+        for skip in (True, False):
+            assert smollm2.backend_tokenizer.decode(ids, skip_special_tokens=skip) == smollm2.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False), (ids, skip)
+
+
 def test_decode_window_stays_small(smollm2):
     counting = CountingTokenizer(smollm2)
     text = " ".join(TEXTS) * 4
