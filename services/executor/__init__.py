@@ -1,1 +1,1 @@
-"""The model executor: owns the accelerator, the weights and the KV tensors; runs one step per call."""
+"""The model executor: owns the accelerator, the weights and the KV tensors; runs a frontend's steps in order."""
