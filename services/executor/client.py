@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain
+from itertools import chain, repeat
 
 from ...protos import executor_pb2 as pb
 from ...protos import executor_pb2_grpc as pb_grpc
 from ..common.channels import Pending, StepChannel, StepStream
-from .step_types import ExecutorInfo, HeldTables, SampledToken, StepInput
+from .step_types import ExecutorInfo, HeldTables, SampledToken, StepInput, new_row
 
 EXECUTE_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Executor'].full_name}/Execute"
 
@@ -50,8 +50,11 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = Non
 
 def tokens_from_proto(response: pb.ExecuteResponse) -> list[SampledToken]:
     r = response
-    if not r.num_top:  # no top logprobs asked for: the common case
-        return [SampledToken(s, t, lp, (), ()) for s, t, lp in zip(r.seq_ids, r.token_ids, r.logprobs, strict=True)]
+    if not len(r.seq_ids) == len(r.token_ids) == len(r.logprobs):
+        raise ValueError(f"a response of {len(r.seq_ids)} sequences, {len(r.token_ids)} tokens and"
+                         f" {len(r.logprobs)} logprobs")
+    if not r.num_top:  # no top logprobs asked for: the common case, rows built in C
+        return list(map(new_row, repeat(SampledToken), zip(r.seq_ids, r.token_ids, r.logprobs, repeat(()), repeat(()))))
     tokens, top_ids, top_values, at = [], list(r.top_token_ids), list(r.top_logprobs), 0
     for s, t, lp, n in zip(r.seq_ids, r.token_ids, r.logprobs, r.num_top, strict=True):
         tokens.append(SampledToken(s, t, lp, top_ids[at : at + n], top_values[at : at + n]))

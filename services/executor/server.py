@@ -13,7 +13,7 @@ import argparse
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from itertools import accumulate, chain
+from itertools import accumulate, chain, repeat
 
 import grpc.aio
 
@@ -26,7 +26,7 @@ from ..common.tracing import message_span
 from .engine_config import build_runner
 from .options import ExecutorConfig, add_executor_arguments
 from .runner import ModelRunner
-from .step_types import HeldTables, SampledToken, SamplingParams, SequenceInput, StepInput
+from .step_types import HeldTables, SampledToken, SamplingParams, SequenceInput, StepInput, new_row
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 EXECUTE_METHOD = f"{SERVICE_NAME}/Execute"
@@ -72,7 +72,8 @@ def step_from_proto(r: pb.ExecuteRequest) -> StepInput:
         slot_lists = [slots[end - n : end] for n, end in zip(num_tokens, ends, strict=True)]
     table_lists = [tables[end - n : end] for n, end in zip(table_lens, accumulate(table_lens), strict=True)]
     # columns to rows in C (map over the columns), not one Python pass per sequence
-    sequences = list(map(SequenceInput, r.seq_ids, token_lists, r.start_positions, table_lists, slot_lists, params))
+    sequences = list(map(new_row, repeat(SequenceInput),
+                         zip(r.seq_ids, token_lists, r.start_positions, table_lists, slot_lists, params, strict=True)))
     return StepInput(
         sequences,
         swap_out=[(c.src, c.dst) for c in r.swap_out],

@@ -51,7 +51,7 @@ from ..block_manager.step import (
     SwapInOp,
     SwapOutOp,
 )
-from ..executor.step_types import LAST_SAMPLED, SampledToken, SequenceInput, StepInput
+from ..executor.step_types import LAST_SAMPLED, SampledToken, SequenceInput, StepInput, new_row
 from .ports import BlockManagerPort, PendingAnswer
 from .request import FinishReason, Request, SeqStatus, SequenceOutput, SequenceState, StepOutput
 
@@ -267,8 +267,8 @@ class Scheduler:
                         seq.num_committed = start
                         sample = start + 1 == num_known + seq.num_pending
                         token = token_ids[start] if start < num_known else LAST_SAMPLED  # else: being sampled
-                        inputs.append(SequenceInput(seq.seq_id, [token], start, seq.block_table, [slot],
-                                                    seq.sampling if sample else None))
+                        inputs.append(new_row(SequenceInput, (seq.seq_id, [token], start, seq.block_table, [slot],
+                                                              seq.sampling if sample else None)))
                         seq.num_computed = start + 1  # from here on, as far as planning goes, it is computed
                         if sample:
                             seq.num_pending += 1
