@@ -95,9 +95,8 @@ class StepStream(Generic[Response]):
         """Cancels the call whose awaited answer is overdue; wakes a few times per timeout, never per step."""
         while not self._closed.wait(min(0.5, self.timeout / 4)):
             call = self.call
-            if call is not None and call.awaiting is not None and time.monotonic() > call.awaiting:
-                call.timed_out = True
-                call.responses.cancel()
+            if call is not None:
+                call.cancel_if_late(time.monotonic())
 
 
 class Pending(Generic[Response]):
@@ -125,6 +124,7 @@ class _Call(Generic[Response]):
         self.failure: grpc.RpcError | None = None
         self.awaiting: float | None = None  # the deadline of the answer the engine waits for (the watchdog's)
         self.timed_out = False
+        self.lock = threading.Lock()  # between the engine's wait and the watchdog
 
     def send(self, request: Any, deadline: float, span: Any) -> Pending[Response]:
         self.requests.put(request)
@@ -144,21 +144,33 @@ class _Call(Generic[Response]):
 
     def answer(self, index: int, deadline: float) -> Response:
         while index not in self.answers and self.failure is None:
-            self.awaiting = deadline
+            with self.lock:
+                self.awaiting = deadline
             try:
                 self.answers[self.received] = next(self.responses)
                 self.received += 1
             except StopIteration:
                 self._fail(StreamError(grpc.StatusCode.UNAVAILABLE, f"{self.name}: the stream ended unanswered"))
             except grpc.RpcError as exc:
-                self._fail(StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name}: no answer in time")
-                           if self.timed_out else exc)
+                self._fail(self._late() if self.timed_out else exc)
             finally:
-                self.awaiting = None
+                with self.lock:
+                    self.awaiting = None
+                    if self.timed_out and self.failure is None:  # cancelled just as the answer came: it stands,
+                        self._fail(self._late())  # but the call is gone, and so are the answers still due on it
         if index in self.answers:
             return self.answers.pop(index)
         assert self.failure is not None
         raise self.failure
+
+    def cancel_if_late(self, now: float) -> None:
+        with self.lock:
+            if self.awaiting is not None and now > self.awaiting:
+                self.timed_out = True
+                self.responses.cancel()
+
+    def _late(self) -> StreamError:
+        return StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name}: no answer in time")
 
     def _fail(self, error: grpc.RpcError) -> None:
         self.failure = error

@@ -9,6 +9,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -279,6 +280,47 @@ def test_a_step_unanswered_past_the_timeout_is_deadline_exceeded(tmp_path: Path)
             os.kill(service.proc.pid, signal.SIGCONT)
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert client.send([]).result().stats.num_total_blocks == 8
+        client.close()
+
+
+def test_an_answer_that_races_the_watchdog_stands_and_the_next_step_opens_a_new_stream(tmp_path: Path) -> None:
+    """The watchdog cancels the call just as an answer arrives (forced here: a wrapper around the real call
+    fires it inside `next`, since the real race cannot be timed). That answer is returned; the call is gone,
+    so a step still due on it fails DEADLINE_EXCEEDED, and the next step goes on a new stream."""
+    listen = f"unix:{tmp_path}/bm.sock"
+    with running_service(["block-manager", "--num-blocks", "8", "--block-size", "4"], listen=listen):
+        client = RemoteBlockManager(listen)
+        client.send([]).result()
+        call = client.steps.call
+        assert call is not None
+
+        class WatchdogFiresOnArrival:
+            def __init__(self, responses: Any) -> None:
+                self.responses = responses
+
+            def __next__(self) -> Any:
+                answer = next(self.responses)
+                call.cancel_if_late(float("inf"))  # the watchdog's turn, between arrival and bookkeeping
+                return answer
+
+            def cancel(self) -> None:
+                self.responses.cancel()
+
+            def is_active(self) -> bool:
+                return bool(self.responses.is_active())
+
+        call.responses = WatchdogFiresOnArrival(call.responses)
+        assert client.send([]).result().stats.num_total_blocks == 8  # the answer stands
+        assert client.send([]).result().stats.num_total_blocks == 8  # on a new stream
+        assert client.steps.call is not call
+        # with a second step due on the call, that one fails: its answer went with the call
+        call = client.steps.call
+        call.responses = WatchdogFiresOnArrival(call.responses)
+        first, second = client.send([]), client.send([])
+        assert first.result().stats.num_total_blocks == 8
+        with pytest.raises(grpc.RpcError) as late:
+            second.result()
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         client.close()
 
 
