@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import queue
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -213,6 +215,24 @@ def test_swap_round_trip_preserves_the_cache(stub: OneStepStub) -> None:
     after_swap = tokens(stub.Execute(step(seq_step(5, [first], 5, [25, 26]))))[0]
     in_place = tokens(stub.Execute(step(seq_step(5, [first], 5, [20, 21]))))[0]
     assert after_swap.token_id == in_place.token_id and after_swap.logprob == pytest.approx(in_place.logprob)
+
+
+def test_a_stopping_executor_ends_an_open_stream_unavailable(tiny_llama_dir: Path) -> None:
+    """The frontend keeps its step stream open for as long as the executor lives: at SIGTERM the stream ends
+    UNAVAILABLE (a lost sidecar, to the frontend) and the process exits at once, not after the stop's grace."""
+    args = ["executor", "--model", str(tiny_llama_dir), "--num-blocks", "8", "--block-size", str(BLOCK),
+            "--device", "cpu"]
+    with running_service(args) as service, grpc.insecure_channel(service.address) as channel:
+        requests: queue.SimpleQueue[pb.ExecuteRequest | None] = queue.SimpleQueue()
+        answers = pb_grpc.ExecutorStub(channel).Execute(iter(requests.get, None), timeout=60)
+        requests.put(step(seq_step(1, [5, 17, 42], 0, [2])))
+        assert len(tokens(next(answers))) == 1
+        service.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError) as stopped:
+            next(answers)
+        assert stopped.value.code() == grpc.StatusCode.UNAVAILABLE and "stopping" in stopped.value.details()
+        assert service.proc.wait(timeout=30) == 0
+        requests.put(None)
 
 
 def test_health_is_not_serving_until_the_model_is_loaded() -> None:
