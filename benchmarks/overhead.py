@@ -7,6 +7,8 @@ holds is the serving stack's own overhead. For each of 64 and 256 running sequen
 steps, that many unary requests (short prompts, EOS ignored) run together, with overlapped steps (the
 default) and serial ones. Over the steps in which every sequence decodes (the edges dropped), the
 overhead is 1 - (time the stand-in held steps) / (wall time from the first step's start to the last's end).
+`gap_ms` is the mean gap between two steps, and `gap_waiting_for_frontend_ms` the part of it before the
+next step had even arrived; the rest is the executor's own time between two steps.
 Keys: `overhead_frac_<seqs>_<ms>ms` (overlapped) and `serial_overhead_frac_<seqs>_<ms>ms`; with them the
 CPU time the frontend and the block manager spent per step (from /proc: where it nears the step time, the
 machine's cores, not the design, are the limit).
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -92,14 +95,18 @@ def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: boo
             stand_in.terminate()
             stand_in.wait(timeout=30)
         timeline = json.loads(timeline_file.read_text())
-    full = [(start, end) for start, end, seqs in timeline if seqs == num_seqs][EDGE_STEPS:-EDGE_STEPS]
+    full = [(start, end, arrived) for start, end, seqs, arrived in timeline if seqs == num_seqs][EDGE_STEPS:-EDGE_STEPS]
     if len(full) < 10:
         raise RuntimeError(f"only {len(full)} steps ran all {num_seqs} sequences: raise --tokens")
-    busy = sum(end - start for start, end in full)
+    busy = sum(end - start for start, end, _ in full)
     wall = full[-1][1] - full[0][0]
+    # each gap between two steps: the part before the next step had arrived (the executor waited for the
+    # frontend), and the rest (the executor's own time between two steps: its step thread and event loop)
+    waiting = sum(max(0.0, min(start, arrived) - before[1]) for before, (start, _, arrived) in pairwise(full))
     block_manager_cpu, frontend_cpu, executor_cpu = cpu.between(full[0][0], full[-1][1])
     return {"overhead_frac": round(1 - busy / wall, 4), "steps": len(full), "texts": sorted(texts),
             "gap_ms_mean": round((wall - busy) / (len(full) - 1) * 1000, 3),
+            "gap_waiting_ms_mean": round(waiting / (len(full) - 1) * 1000, 3),
             "frontend_cpu_ms_per_step": round(frontend_cpu / (len(full) - 1) * 1000, 3),
             "block_manager_cpu_ms_per_step": round(block_manager_cpu / (len(full) - 1) * 1000, 3),
             "executor_cpu_ms_per_step": round(executor_cpu / (len(full) - 1) * 1000, 3)}
@@ -155,6 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 prefix = "" if mode == "overlap" else "serial_"
                 result[f"{prefix}overhead_frac_{name}"] = run_["overhead_frac"]
                 result[f"{prefix}gap_ms_{name}"] = run_["gap_ms_mean"]
+                result[f"{prefix}gap_waiting_for_frontend_ms_{name}"] = run_["gap_waiting_ms_mean"]
                 result[f"{prefix}steps_{name}"] = run_["steps"]
                 result[f"{prefix}frontend_cpu_ms_per_step_{name}"] = run_["frontend_cpu_ms_per_step"]
                 result[f"{prefix}block_manager_cpu_ms_per_step_{name}"] = run_["block_manager_cpu_ms_per_step"]

@@ -4,7 +4,8 @@ fixed time instead of running a model, standing in for an accelerator that is bu
 
 It speaks the Executor protocol through the real servicer (request parsing, step ordering, answers), keeps
 the tokens it "sampled" for LAST_SAMPLED inputs as the real runner does, and records when each step began
-and ended, so that the accelerator's busy share of the wall time can be measured. The token it samples
+and ended, and when it arrived, so that the accelerator's busy share of the wall time can be measured, and
+its idle time split into waiting for the frontend and the executor's own time between steps. The token it samples
 for a position depends only on the position, so every mode and run produces the same text.
 
     python -m pagedserve.benchmarks.standin_executor --listen 127.0.0.1:0 --model M --num-blocks N
@@ -31,12 +32,12 @@ from ..services.executor.step_types import LAST_SAMPLED, LastSampled, SampledTok
 
 
 class StandInRunner:
-    """Holds each step for `step_s` seconds; records (start, end, sequences) per step."""
+    """Holds each step for `step_s` seconds; records (start, end, sequences, arrived) per step."""
 
-    def __init__(self, step_s: float, vocab_size: int) -> None:
-        self.step_s, self.vocab_size = step_s, vocab_size
+    def __init__(self, step_s: float, vocab_size: int, arrivals: dict[int, float]) -> None:
+        self.step_s, self.vocab_size, self.arrivals = step_s, vocab_size, arrivals
         self.last_sampled = LastSampled()
-        self.timeline: list[tuple[float, float, int]] = []
+        self.timeline: list[tuple[float, float, int, float]] = []
 
     def reset(self) -> None:
         """The executor's Reset: no step may ask for what an earlier one sampled."""
@@ -55,28 +56,34 @@ class StandInRunner:
                 tokens.append(SampledToken(seq.seq_id, 1 + position * 7919 % (self.vocab_size - 1), 0.0, [], []))
         self.last_sampled.record(tokens)
         time.sleep(max(0.0, start + self.step_s - time.perf_counter()))
-        self.timeline.append((start, time.perf_counter(), len(step.sequences)))
+        self.timeline.append((start, time.perf_counter(), len(step.sequences), self.arrivals.pop(step.step_id, start)))
         return tokens
 
 
 class TimedRunner:
     """The real runner, each step's (start, end, sequences) recorded as the stand-in's are."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, arrivals: dict[int, float]) -> None:
         self.runner, self.last_sampled, self.reset = runner, runner.last_sampled, runner.reset
-        self.timeline: list[tuple[float, float, int]] = []
+        self.arrivals = arrivals
+        self.timeline: list[tuple[float, float, int, float]] = []
 
     def execute(self, step: StepInput) -> list[SampledToken]:
         start = time.perf_counter()
         tokens = self.runner.execute(step)  # returns host values: the device has finished the step
-        self.timeline.append((start, time.perf_counter(), len(step.sequences)))
+        self.timeline.append((start, time.perf_counter(), len(step.sequences), self.arrivals.pop(step.step_id, start)))
         return tokens
 
 
 class StandInServicer(ExecutorServicer):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.arrivals: dict[int, float] = {}  # step id -> when it was queued for the step thread
         super().__init__(None)  # type: ignore[arg-type]  # no model to configure
+
+    def _queue(self, request: pb.ExecuteRequest, stream: Any) -> Any:
+        self.arrivals[request.step_id] = time.perf_counter()
+        return super()._queue(request, stream)
 
     async def load(self) -> None:
         if self.args.device:
@@ -84,7 +91,7 @@ class StandInServicer(ExecutorServicer):
             return
         source = resolve_model(self.args.model)
         vocab_size = len(load_tokenizer(source))
-        self.stand_in = StandInRunner(self.args.step_ms / 1000, vocab_size)
+        self.stand_in = StandInRunner(self.args.step_ms / 1000, vocab_size, self.arrivals)
         self.runner = self.stand_in  # type: ignore[assignment]  # the servicer calls only execute() and reset()
         self.info = pb.InfoResponse(
             model=self.args.model, model_digest=source.digest, dtype="float32", device="stand-in (a fixed hold)",
@@ -98,7 +105,7 @@ class StandInServicer(ExecutorServicer):
         config = ExecutorConfig(model=self.args.model, device=self.args.device, block_size=self.args.block_size,
                                 num_blocks=self.args.num_blocks, max_model_len=self.args.max_model_len)
         runner, info = await asyncio.get_running_loop().run_in_executor(self.thread, build_runner, config)
-        self.stand_in = TimedRunner(runner)  # type: ignore[assignment]
+        self.stand_in = TimedRunner(runner, self.arrivals)  # type: ignore[assignment]
         self.runner = self.stand_in  # type: ignore[assignment]
         self.info = pb.InfoResponse(**{**vars(info), "eos_token_ids": list(info.eos_token_ids)})
 
@@ -123,7 +130,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--step-ms", type=float, default=0.0, help="how long each step holds the 'accelerator'")
     parser.add_argument("--device", default="", help="run the real model on this device instead (cuda, cpu)")
-    parser.add_argument("--timeline", required=True, help="where to write [start, end, sequences] per step at exit")
+    parser.add_argument("--timeline", required=True,
+                        help="where to write [start, end, sequences, arrived] per step at exit")
     args = parser.parse_args()
     run(serve(args), "executor-stand-in")
 
