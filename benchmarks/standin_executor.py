@@ -31,13 +31,27 @@ from ..services.executor.server import SERVICE_NAME, ExecutorServicer
 from ..services.executor.step_types import LAST_SAMPLED, LastSampled, SampledToken, StepInput
 
 
-class StandInRunner:
-    """Holds each step for `step_s` seconds; records (start, end, sequences, arrived) per step."""
+class Timeline:
+    """(start, end, sequences, arrived) per step run: `arrived` is when it was queued for the step thread."""
 
-    def __init__(self, step_s: float, vocab_size: int, arrivals: dict[int, float]) -> None:
-        self.step_s, self.vocab_size, self.arrivals = step_s, vocab_size, arrivals
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float, int, float]] = []
+        self.arrivals: dict[int, float] = {}  # step id -> when it was queued, until it runs
+
+    def arrived(self, step_id: int) -> None:
+        self.arrivals[step_id] = time.perf_counter()
+
+    def record(self, start: float, step: StepInput) -> None:
+        """The step ran from `start` until now."""
+        self.steps.append((start, time.perf_counter(), len(step.sequences), self.arrivals.pop(step.step_id, start)))
+
+
+class StandInRunner:
+    """Holds each step for `step_s` seconds; records each in the timeline."""
+
+    def __init__(self, step_s: float, vocab_size: int, timeline: Timeline) -> None:
+        self.step_s, self.vocab_size, self.timeline = step_s, vocab_size, timeline
         self.last_sampled = LastSampled()
-        self.timeline: list[tuple[float, float, int, float]] = []
 
     def reset(self) -> None:
         """The executor's Reset: no step may ask for what an earlier one sampled."""
@@ -56,33 +70,32 @@ class StandInRunner:
                 tokens.append(SampledToken(seq.seq_id, 1 + position * 7919 % (self.vocab_size - 1), 0.0, [], []))
         self.last_sampled.record(tokens)
         time.sleep(max(0.0, start + self.step_s - time.perf_counter()))
-        self.timeline.append((start, time.perf_counter(), len(step.sequences), self.arrivals.pop(step.step_id, start)))
+        self.timeline.record(start, step)
         return tokens
 
 
 class TimedRunner:
-    """The real runner, each step's (start, end, sequences) recorded as the stand-in's are."""
+    """The real runner, each step recorded in the timeline as the stand-in's are."""
 
-    def __init__(self, runner: Any, arrivals: dict[int, float]) -> None:
+    def __init__(self, runner: Any, timeline: Timeline) -> None:
         self.runner, self.last_sampled, self.reset = runner, runner.last_sampled, runner.reset
-        self.arrivals = arrivals
-        self.timeline: list[tuple[float, float, int, float]] = []
+        self.timeline = timeline
 
     def execute(self, step: StepInput) -> list[SampledToken]:
         start = time.perf_counter()
         tokens = self.runner.execute(step)  # returns host values: the device has finished the step
-        self.timeline.append((start, time.perf_counter(), len(step.sequences), self.arrivals.pop(step.step_id, start)))
+        self.timeline.record(start, step)
         return tokens
 
 
 class StandInServicer(ExecutorServicer):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.arrivals: dict[int, float] = {}  # step id -> when it was queued for the step thread
+        self.timeline = Timeline()
         super().__init__(None)  # type: ignore[arg-type]  # no model to configure
 
     def _queue(self, request: pb.ExecuteRequest, stream: Any) -> Any:
-        self.arrivals[request.step_id] = time.perf_counter()
+        self.timeline.arrived(request.step_id)
         return super()._queue(request, stream)
 
     async def load(self) -> None:
@@ -91,8 +104,8 @@ class StandInServicer(ExecutorServicer):
             return
         source = resolve_model(self.args.model)
         vocab_size = len(load_tokenizer(source))
-        self.stand_in = StandInRunner(self.args.step_ms / 1000, vocab_size, self.arrivals)
-        self.runner = self.stand_in  # type: ignore[assignment]  # the servicer calls only execute() and reset()
+        stand_in = StandInRunner(self.args.step_ms / 1000, vocab_size, self.timeline)
+        self.runner = stand_in  # type: ignore[assignment]  # the servicer calls only execute() and reset()
         self.info = pb.InfoResponse(
             model=self.args.model, model_digest=source.digest, dtype="float32", device="stand-in (a fixed hold)",
             vocab_size=vocab_size, max_model_len=self.args.max_model_len, block_size=self.args.block_size,
@@ -105,8 +118,7 @@ class StandInServicer(ExecutorServicer):
         config = ExecutorConfig(model=self.args.model, device=self.args.device, block_size=self.args.block_size,
                                 num_blocks=self.args.num_blocks, max_model_len=self.args.max_model_len)
         runner, info = await asyncio.get_running_loop().run_in_executor(self.thread, build_runner, config)
-        self.stand_in = TimedRunner(runner, self.arrivals)  # type: ignore[assignment]
-        self.runner = self.stand_in  # type: ignore[assignment]
+        self.runner = TimedRunner(runner, self.timeline)  # type: ignore[assignment]
         self.info = pb.InfoResponse(**{**vars(info), "eos_token_ids": list(info.eos_token_ids)})
 
 
@@ -117,8 +129,7 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await serve_until_signalled(service, warm_up=servicer.load)
     finally:
-        timeline = servicer.stand_in.timeline if hasattr(servicer, "stand_in") else []
-        Path(args.timeline).write_text(json.dumps(timeline))
+        Path(args.timeline).write_text(json.dumps(servicer.timeline.steps))
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from ..common.addresses import add_allow_remote_argument, check_sidecar_listen
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from ..common.processes import wait_serving
 from ..common.tracing import message_span
+from .client import STEP_METHOD
 from .manager import BlockCopy, BlockManager
 from .stats import BlockStats
 from .step import (
@@ -40,7 +41,6 @@ from .step import (
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
-STEP_METHOD = f"{SERVICE_NAME}/Step"
 
 
 def op_from_proto(index: int, op: pb.Op) -> Op:

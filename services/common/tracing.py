@@ -99,10 +99,12 @@ def client_span(method: str) -> tuple[Any, str]:
 
 @contextmanager
 def message_span(method: str, traceparent: str) -> Iterator[None]:
-    """A SERVER span for one message of a step stream, continuing the trace its traceparent names."""
+    """A SERVER span for one message of a step stream ("/package.Service/Method", as the client names it),
+    continuing the trace its traceparent names."""
     if not tracing_enabled():
         yield
         return
     context = propagate.extract({"traceparent": traceparent} if traceparent else {})
-    with tracer().start_as_current_span(method, context=context, kind=trace.SpanKind.SERVER, record_exception=False):
+    with tracer().start_as_current_span(method.lstrip("/"), context=context, kind=trace.SpanKind.SERVER,
+                                        record_exception=False):
         yield

@@ -23,13 +23,13 @@ from ..common.addresses import add_allow_remote_argument, check_sidecar_listen
 from ..common.errors import InvalidRequest, NotReady
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from ..common.tracing import message_span
+from .client import EXECUTE_METHOD
 from .engine_config import build_runner
 from .options import ExecutorConfig, add_executor_arguments
 from .runner import ModelRunner
 from .step_types import HeldTables, SampledToken, SamplingParams, SequenceInput, StepInput, new_row
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
-EXECUTE_METHOD = f"{SERVICE_NAME}/Execute"
 
 
 def step_from_proto(r: pb.ExecuteRequest) -> StepInput:
