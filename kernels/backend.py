@@ -21,6 +21,7 @@ from .cache_write import cache_write, cache_write_ref
 from .cpu_layer_ops import cache_write_cpu, rms_norm_cpu, rotary_cpu, silu_and_mul_cpu
 from .cpu_native import cpu_unavailable_reason, paged_decode_attention_cpu
 from .layer_ops import rms_norm_ref, rotary_ref, silu_and_mul_ref
+from .logits_ops import first_max_and_log_sum_cpu, first_max_and_log_sum_ref
 from .paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from .paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
@@ -83,6 +84,10 @@ class SiluAndMulFn(Protocol):
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
+class FirstMaxAndLogSumFn(Protocol):  # logits [rows, vocab] -> first argmax, max, log(sum(exp(x - max)))
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
 @dataclass(frozen=True)
 class KernelBackend:
     """The paged-cache ops and the per-token layer ops the model calls; shapes as in each op's module."""
@@ -95,6 +100,7 @@ class KernelBackend:
     rms_norm: RmsNormFn = rms_norm_ref
     rotary: RotaryFn = rotary_ref
     silu_and_mul: SiluAndMulFn = silu_and_mul_ref
+    first_max_and_log_sum: FirstMaxAndLogSumFn = first_max_and_log_sum_ref  # sampling's, on the logits
 
 
 TRITON_BACKEND = KernelBackend(
@@ -116,6 +122,7 @@ TORCH_BACKEND = KernelBackend(
 CPU_BACKEND = dataclasses.replace(
     TORCH_BACKEND, name="cpu", decode_attention=paged_decode_attention_cpu, cache_write=cache_write_cpu,
     rms_norm=rms_norm_cpu, rotary=rotary_cpu, silu_and_mul=silu_and_mul_cpu,
+    first_max_and_log_sum=first_max_and_log_sum_cpu,
 )
 
 

@@ -1,5 +1,6 @@
 """The CPU's kernels in C, built at first use and called through ctypes: decode attention
-(`paged_decode_attention_cpu.c`) and a layer's per-token ops (`cpu_layer_ops.c`, wrapped in cpu_layer_ops.py).
+(`paged_decode_attention_cpu.c`), a layer's per-token ops (`cpu_layer_ops.c`, wrapped in cpu_layer_ops.py) and the
+logits' normalizer (`cpu_logits.c`, wrapped in logits_ops.py).
 
 The sources are compiled once per process on the machine that runs them (`-march=native`: the AVX2 or
 AVX-512 of this CPU; ~0.5 s) into one library, in a private temporary directory removed once loaded, so no
@@ -27,7 +28,8 @@ import torch
 
 from ._common import check_block_tables, check_kv_cache
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention_cpu.c", "cpu_layer_ops.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention_cpu.c", "cpu_layer_ops.c",
+                                                                   "cpu_logits.c"))
 # -fno-trapping-math: the kernels never read floating-point exception flags, and without it gcc vectorizes
 # no loop that selects between values (exp's clamp, SiLU's two halves) unless the CPU has AVX-512's masks:
 # on an AVX2 machine SiLU * up and the softmax's exp ran one element at a time (2.3x slower than torch's).
@@ -46,6 +48,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {  # each function's ret
     "rotary_f32": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]),
     "silu_and_mul_f32": (None, [_PTR, _I64, _PTR, _I64, _I64, _I64]),
     "cache_write_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]),
+    "first_max_and_log_sum_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64]),
 }
 
 

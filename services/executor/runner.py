@@ -161,7 +161,7 @@ class ModelRunner:
             [seqs[i].sampling for i in wanted],  # type: ignore[misc]
             [seqs[i].start_position + len(seqs[i].token_ids) for i in wanted],
             [seqs[i].seq_id for i in wanted],
-            in_place=True,  # the logits are this step's scratch
+            first_max_and_log_sum=self.backend.first_max_and_log_sum,
         )
         by_id = {t.seq_id: t for t in sampled}
         self.last_sampled.record(sampled)

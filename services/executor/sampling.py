@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.backend import FirstMaxAndLogSumFn
+from ...kernels.logits_ops import first_max_and_log_sum_ref
 from .step_types import SampledToken, SamplingParams
 
 _GOLDEN = 0x9E3779B97F4A7C15  # decorrelates (seed, position) pairs before they seed a generator
@@ -21,27 +23,28 @@ def sample(
     positions: list[int],  # position of each sequence's next token: part of the draw's seed
     seq_ids: list[int],
     *,
-    in_place: bool = False,  # the caller's logits may be overwritten (with the log-probabilities)
+    first_max_and_log_sum: FirstMaxAndLogSumFn = first_max_and_log_sum_ref,  # the kernel backend's
 ) -> list[SampledToken]:
-    chosen = _first_argmax(logits)  # [num_seqs]: the greedy choice, replaced below for sampled rows
+    # The greedy choice, and each row's normalizer: every row's chosen token needs its logprob, and
+    # logprob(x) = (x - row_max) - log_sum, so no log_softmax over the whole vocabulary is made.
+    chosen, row_max, log_sum = first_max_and_log_sum(logits)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
+    if sampled_rows:  # their draws replace the greedy choice
         rows = torch.tensor(sampled_rows)
         probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])  # [num_sampled, vocab]
         noise = torch.stack([_exponential(params[i].seed, positions[i], logits.shape[1]) for i in sampled_rows])
         noise = noise.to(logits.device)
         chosen[rows] = (probs / noise).argmax(dim=-1)
-    # Every row needs its chosen token's logprob, so the normalizer of every row: log_softmax is the one fused
-    # pass that gives it (logsumexp is slower on the CPU), written over the logits when the caller allows.
-    logprobs = torch.log_softmax(logits, dim=-1, out=logits) if in_place else torch.log_softmax(logits, dim=-1)
     chosen_ids = chosen.tolist()
-    chosen_values = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
+    chosen_values = ((logits.gather(1, chosen[:, None]).squeeze(1) - row_max) - log_sum).tolist()
     top_rows = [i for i, p in enumerate(params) if p.num_top_logprobs]
     top_ids: dict[int, list[int]] = {}
     top_values: dict[int, list[float]] = {}
-    if top_rows:  # only the rows that asked
+    if top_rows:  # only the rows that asked: the largest logits are the largest logprobs
         k = max(params[i].num_top_logprobs for i in top_rows)
-        values, ids = logprobs[torch.tensor(top_rows, device=logits.device)].topk(k, dim=-1)
+        rows = torch.tensor(top_rows, device=logits.device)
+        values, ids = logits[rows].topk(k, dim=-1)
+        values = (values - row_max[rows, None]) - log_sum[rows, None]
         for i, id_row, value_row in zip(top_rows, ids.tolist(), values.tolist(), strict=True):
             n = params[i].num_top_logprobs
             top_ids[i], top_values[i] = id_row[:n], value_row[:n]
@@ -49,19 +52,6 @@ def sample(
         SampledToken(seq_ids[i], chosen_ids[i], chosen_values[i], top_ids.get(i, []), top_values.get(i, []))
         for i in range(len(params))
     ]
-
-
-def _first_argmax(logits: torch.Tensor) -> torch.Tensor:  # [num_seqs, vocab] -> [num_seqs] int64
-    """argmax() of each row (the first maximum), in two vectorized steps: the CPU argmax kernel walks a row
-    element by element (2.6 ms for 64 x 49152), amax over chunks does not (0.3 ms with the second step)."""
-    num_rows, vocab = logits.shape
-    chunk = next((c for c in (256, 128, 64) if vocab % c == 0 and vocab >= 8 * c), 0)
-    if not chunk or logits.device.type != "cpu" or not logits.is_contiguous():
-        return logits.argmax(dim=-1)
-    chunks = logits.view(num_rows, vocab // chunk, chunk)
-    best_chunk = chunks.amax(dim=-1).argmax(dim=-1)  # [num_rows]: the first chunk holding the row's maximum
-    within = chunks[torch.arange(num_rows, device=logits.device), best_chunk].argmax(dim=-1)
-    return best_chunk * chunk + within
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -25,7 +25,8 @@ def test_wheel_maps_top_level_folders_under_pagedserve(tmp_path: Path) -> None:
     assert top_level == {"pagedserve"}, top_level
     for module in ("cli.py", "operator/__init__.py", "kernels/__init__.py", "services/block_manager/manager.py",
                    "protos/block_manager_pb2.py", "protos/block_manager.proto", "benchmarks/blocks.py",
-                   "kernels/paged_decode_attention_cpu.c", "kernels/cpu_layer_ops.c", "kernels/cpu_math.h"):
+                   "kernels/paged_decode_attention_cpu.c", "kernels/cpu_layer_ops.c", "kernels/cpu_logits.c",
+                   "kernels/cpu_math.h"):
         assert f"pagedserve/{module}" in names, module
     assert not any(name.startswith("pagedserve/tests/") for name in names)
 

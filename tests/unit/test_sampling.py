@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
+from pagedserve.kernels import get_backend
 from pagedserve.services.executor.sampling import sample
 from pagedserve.services.executor.step_types import SamplingParams
 
@@ -71,7 +72,8 @@ def test_batch_rows_are_independent() -> None:
     assert batched[0].token_id == 0 and batched[1].token_id == alone[0].token_id
 
 
-def test_first_maximum_of_large_rows_with_ties() -> None:
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_first_maximum_of_large_rows_with_ties(backend: str) -> None:
     """The chunked argmax of large vocabularies picks argmax()'s token: the first maximum, ties across and
     within chunks included."""
     gen = torch.Generator().manual_seed(5)
@@ -81,22 +83,25 @@ def test_first_maximum_of_large_rows_with_ties() -> None:
     logits[3] = 0.0  # all equal
     logits[4, 4095] = 10.0  # the very last token
     logits[5, 7] = float("nan")  # argmax() treats NaN as the maximum
-    tokens = sample(logits, [SamplingParams()] * 6, [0] * 6, list(range(6)))
+    tokens = sample(logits, [SamplingParams()] * 6, [0] * 6, list(range(6)),
+                    first_max_and_log_sum=get_backend(backend).first_max_and_log_sum)
     assert [t.token_id for t in tokens] == logits.argmax(dim=-1).tolist() == [tokens[0].token_id, 100, 513, 0, 4095, 7]
 
 
-def test_logprobs_in_place_equal_and_top_logprobs_only_where_asked() -> None:
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_logprobs_as_log_softmax_gives_them_and_top_logprobs_only_where_asked(backend: str) -> None:
+    normalizer = get_backend(backend).first_max_and_log_sum
     gen = torch.Generator().manual_seed(6)
     logits = torch.randn(3, 2048, generator=gen) * 4
     params = [SamplingParams(), SamplingParams(num_top_logprobs=5), SamplingParams(temperature=0.7, seed=1)]
-    expected = torch.log_softmax(logits, dim=-1)
-    copy = logits.clone()
-    out_of_place = sample(logits, params, [3, 3, 3], [0, 1, 2])
-    in_place = sample(copy, params, [3, 3, 3], [0, 1, 2], in_place=True)
-    assert in_place == out_of_place
-    assert torch.equal(copy, expected)  # the caller's scratch now holds the log-probabilities
-    for row, token in enumerate(out_of_place):
-        assert token.logprob == expected[row, token.token_id].item()
-    assert out_of_place[0].top_token_ids == [] and out_of_place[2].top_logprobs == []
+    expected = torch.log_softmax(logits.double(), dim=-1)
+    before = logits.clone()
+    tokens = sample(logits, params, [3, 3, 3], [0, 1, 2], first_max_and_log_sum=normalizer)
+    assert torch.equal(logits, before)  # read, never written
+    assert tokens[0].token_id == logits[0].argmax().item()
+    for row, token in enumerate(tokens):
+        assert token.logprob == pytest.approx(expected[row, token.token_id].item(), rel=1e-6, abs=1e-6)
+    assert tokens[0].top_token_ids == [] and tokens[2].top_logprobs == []
     values, ids = expected[1].topk(5)
-    assert out_of_place[1].top_token_ids == ids.tolist() and out_of_place[1].top_logprobs == values.tolist()
+    assert tokens[1].top_token_ids == ids.tolist()
+    assert tokens[1].top_logprobs == pytest.approx(values.tolist(), rel=1e-6, abs=1e-6)
