@@ -16,9 +16,10 @@ from .cpu_native import check_fp32_cpu, native_library
 def first_max_and_log_sum_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [num_rows, vocab] -> first index of each row's maximum [num_rows] int64, the maximum, and
     log(sum(exp(x - maximum))) (both [num_rows], the logits' dtype); a NaN in a row is its maximum."""
-    first = first_argmax(logits)
-    row_max = logits.gather(1, first[:, None]).squeeze(1)
-    return first, row_max, (logits - row_max[:, None]).exp().sum(dim=-1).log()
+    first = first_argmax(logits)[:, None]
+    # torch's fused log_softmax, read at the maximum: (max - max) - log_sum is -log_sum exactly
+    log_sum = torch.log_softmax(logits, dim=-1).gather(1, first).neg_()
+    return first.squeeze(1), logits.gather(1, first).squeeze(1), log_sum.squeeze(1)
 
 
 def first_max_and_log_sum_cpu(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
