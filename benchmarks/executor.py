@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..services.executor.options import KERNEL_BACKENDS
 from .report import emit
@@ -254,18 +253,20 @@ def _breakdown(seconds: collections.defaultdict[str, float]) -> dict[str, float]
 
 
 def _step_matmuls(model: Any, num_tokens: int) -> Any:
-    """The model's linear layers (each decoder layer's, then the LM head) on inputs of a step's shapes."""
-    weights = [(lin.weight, lin.bias) for layer in model.layers for lin in (
+    """The model's linear layers (each decoder layer's, then the LM head) on inputs of a step's shapes, through
+    the model's own matmul (the kernel backend's: on the CPU, oneDNN's with packed weights)."""
+    linears = [lin for layer in model.layers for lin in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    weights.append((head, None))
     dtype, device = head.dtype, head.device
-    inputs = {w.shape[1]: torch.randn(num_tokens, w.shape[1], dtype=dtype, device=device) for w, _ in weights}
+    inputs = {lin.in_features: torch.randn(num_tokens, lin.in_features, dtype=dtype, device=device) for lin in linears}
+    hidden = torch.randn(num_tokens, head.shape[1], dtype=dtype, device=device)
 
     @torch.inference_mode()
     def run() -> None:
-        for weight, bias in weights:
-            F.linear(inputs[weight.shape[1]], weight, bias)
+        for lin in linears:
+            lin(inputs[lin.in_features])
+        model.compute_logits(hidden)
         if device.type == "cuda":
             torch.cuda.synchronize()  # timed as the step is: until the device is done
 

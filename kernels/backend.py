@@ -21,6 +21,7 @@ from .cache_write import cache_write, cache_write_ref
 from .cpu_layer_ops import cache_write_cpu, rms_norm_cpu, rotary_cpu, silu_and_mul_cpu
 from .cpu_native import cpu_unavailable_reason, paged_decode_attention_cpu
 from .layer_ops import rms_norm_ref, rotary_ref, silu_and_mul_ref
+from .linear_ops import PACKED_LINEAR_AVAILABLE, PackedWeight, linear_packed, linear_ref
 from .logits_ops import first_max_and_log_sum_cpu, first_max_and_log_sum_ref
 from .paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from .paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
@@ -84,6 +85,11 @@ class SiluAndMulFn(Protocol):
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
+class LinearFn(Protocol):  # x [..., in] @ weight [out, in].T + bias; `packed` is the backend's copy, if it keeps one
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
+                 out: torch.Tensor | None = None) -> torch.Tensor: ...  # the result: in `out` where it can be
+
+
 class FirstMaxAndLogSumFn(Protocol):  # logits [rows, vocab] -> first argmax, max, log(sum(exp(x - max)))
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
@@ -101,6 +107,7 @@ class KernelBackend:
     rotary: RotaryFn = rotary_ref
     silu_and_mul: SiluAndMulFn = silu_and_mul_ref
     first_max_and_log_sum: FirstMaxAndLogSumFn = first_max_and_log_sum_ref  # sampling's, on the logits
+    linear: LinearFn = linear_ref  # every linear layer's and the LM head's
 
 
 TRITON_BACKEND = KernelBackend(
@@ -118,11 +125,12 @@ TORCH_BACKEND = KernelBackend(
     copy_blocks=copy_blocks_ref,
 )
 
-# the torch references, but decode attention, the cache write and the per-token layer ops in C
+# the torch references, but decode attention, the cache write and the per-token layer ops in C, and the
+# linear layers through oneDNN with packed weights (torch builds without oneDNN keep F.linear)
 CPU_BACKEND = dataclasses.replace(
     TORCH_BACKEND, name="cpu", decode_attention=paged_decode_attention_cpu, cache_write=cache_write_cpu,
     rms_norm=rms_norm_cpu, rotary=rotary_cpu, silu_and_mul=silu_and_mul_cpu,
-    first_max_and_log_sum=first_max_and_log_sum_cpu,
+    first_max_and_log_sum=first_max_and_log_sum_cpu, linear=linear_packed if PACKED_LINEAR_AVAILABLE else linear_ref,
 )
 
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from ...kernels import KernelBackend, swap_blocks
+from ...kernels.linear_ops import linear_packed
 from ..common.errors import InvalidRequest
 from .attention import build_attention_metadata
 from .dense_attention import DenseLayer, build_dense_metadata
@@ -204,8 +205,9 @@ class ModelRunner:
 
     def _logits_buffer(self, num_rows: int) -> torch.Tensor | None:
         """[num_rows, vocab] fp32 scratch reused across steps: a fresh 12 MiB tensor per step (64 rows of
-        SmolLM2's vocabulary) costs the CPU a page fault per 4 KiB, ~5 ms. None unless the model is fp32."""
-        if self.dtype != torch.float32:
+        SmolLM2's vocabulary) costs the CPU a page fault per 4 KiB, ~5 ms. None unless the model is fp32, or
+        when the backend's matmul writes a tensor of its own (the packed one: the allocator reuses it)."""
+        if self.dtype != torch.float32 or self.backend.linear is linear_packed:
             return None
         if self._logits.shape[0] < num_rows:
             self._logits = torch.empty(num_rows, self.config.vocab_size, device=self.device)

@@ -38,6 +38,7 @@ pytestmark = pytest.mark.skipif(  # found, never imported: its __init__ needs pa
 LOGIT_ATOL = 1e-4  # a prompt alone vs transformers: measured 0
 RAGGED_ATOL = 2e-4  # a prompt inside a ragged batch vs alone: see the module docstring
 EXACT_ATOL = 1e-5  # transformers' attention: measured 0
+BACKEND_ATOL = 4e-4  # the cpu backend's GEMMs (oneDNN's, packed) sum in another order than MKL's: measured 1.3e-4
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +132,9 @@ def test_greedy_continuations_match_generate(model: LlamaForCausalLM, hf_model: 
 
 
 def test_cpu_backend_logits_match_the_torch_backend(model: LlamaForCausalLM, prompts: list[list[int]]) -> None:
-    """The executor's CPU default (decode attention, the cache write and the norms, rotary and SiLU in C) against
-    the torch references, over a prefill and decode steps."""
+    """The executor's CPU default (decode attention, the cache write and the norms, rotary and SiLU in C; the
+    linear layers and LM head through oneDNN with packed weights) against the torch references, over a prefill
+    and decode steps."""
     prompt = prompts[0]
     runs = []
     for backend in (get_backend("torch"), get_backend("cpu")):
@@ -146,13 +148,13 @@ def test_cpu_backend_logits_match_the_torch_backend(model: LlamaForCausalLM, pro
             model.use_backend(previous)
         runs.append(torch.cat(logits))
     diff = (runs[1] - runs[0]).abs().max().item()
-    assert 0 < diff < LOGIT_ATOL, f"max |logit diff| {diff:.2e} between the cpu and torch backends"
+    assert 0 < diff < BACKEND_ATOL, f"max |logit diff| {diff:.2e} between the cpu and torch backends"
 
 
 def test_greedy_continuations_match_generate_with_native_cpu_kernels(
     model: LlamaForCausalLM, hf_model: Any, prompts: list[list[int]]
 ) -> None:
-    """The executor's CPU default: decode attention, the cache write, norms, rotary and SiLU in C."""
+    """The executor's CPU default: decode attention, the cache write, norms, rotary and SiLU in C, packed linears."""
     torch_backend = model.use_backend(get_backend("cpu"))
     try:
         runner = PagedRunner(model, num_blocks=64, block_size=16, seed=2)

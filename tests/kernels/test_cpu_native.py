@@ -15,6 +15,7 @@ from test_backend import run_python
 from pagedserve import kernels
 from pagedserve.kernels import cpu_unavailable_reason, paged_decode_attention_cpu, paged_decode_attention_ref
 from pagedserve.kernels.cpu_native import CFLAGS, SOURCES, _openmp_runtimes
+from pagedserve.kernels.linear_ops import linear_packed
 
 
 def test_the_kernel_builds_here() -> None:
@@ -23,6 +24,7 @@ def test_the_kernel_builds_here() -> None:
     backend = kernels.get_backend("cpu")
     assert backend.name == "cpu" and backend.decode_attention is paged_decode_attention_cpu
     assert backend.prefill_attention is kernels.paged_prefill_attention_ref
+    assert backend.linear is linear_packed  # torch's CPU wheels carry oneDNN
 
 
 def test_it_runs_on_torchs_openmp_runtime() -> None:

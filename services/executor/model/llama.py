@@ -13,10 +13,10 @@ one-pass C kernels within a few ulp of it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ....kernels import KernelBackend
+from ....kernels.linear_ops import PackedWeight
 from ..attention import AttentionMetadata, paged_attention
 from ..dense_attention import DenseAttentionMetadata, DenseLayer, dense_attention
 from .config import ModelConfig
@@ -38,6 +38,19 @@ class RMSNorm(nn.Module):
         return self.backend.rms_norm(x, self.weight, self.eps)
 
 
+class Linear(nn.Linear):
+    """nn.Linear through the kernel backend's matmul, which may keep a copy of the weight in a layout of its
+    own (`packed`: the CPU backend's oneDNN layout, made again if the weight changes)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, backend: KernelBackend) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.backend = backend
+        self.packed = PackedWeight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.linear(x, self.weight, self.bias, self.packed)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
         super().__init__()
@@ -47,8 +60,8 @@ class Attention(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, backend)
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, backend)
         self.backend = backend
 
     def forward(
@@ -76,8 +89,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, backend)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, backend)
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
@@ -114,13 +127,14 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        self.head_packed = PackedWeight()  # the LM head's weight (the embedding's if tied), as the backend keeps it
         self.backend = backend
 
     def use_backend(self, backend: KernelBackend) -> KernelBackend:
         """Runs every layer on `backend` from now on; returns the one it replaces."""
         previous = self.backend
         for module in self.modules():
-            if isinstance(module, (LlamaForCausalLM, Attention, MLP, RMSNorm)):
+            if isinstance(module, (LlamaForCausalLM, Attention, MLP, RMSNorm, Linear)):
                 module.backend = backend
         return previous
 
@@ -141,8 +155,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(
         self, hidden: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        """`out` ([n, vocab] fp32, contiguous), when given, receives the logits of an fp32 model."""
+        """`out` ([n, vocab] fp32, contiguous), when given, may receive the logits of an fp32 model (a buffer
+        reused across steps); the returned tensor holds them either way."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if out is not None and hidden.dtype == torch.float32:
-            return torch.mm(hidden, weight.t(), out=out)
-        return F.linear(hidden, weight).float()
+        fp32 = hidden.dtype == torch.float32
+        return self.backend.linear(hidden, weight, None, self.head_packed, out if fp32 else None).float()

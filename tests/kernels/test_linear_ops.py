@@ -1,0 +1,63 @@
+"""The packed linear (oneDNN, weight packed once) against fp64 matmuls, and its packed copy never stale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels.linear_ops import PACKED_LINEAR_AVAILABLE, PackedWeight, linear_packed, linear_ref
+
+pytestmark = pytest.mark.skipif(not PACKED_LINEAR_AVAILABLE, reason="this torch build has no oneDNN")
+
+
+def seeded(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(("rows", "features", "outputs"), [(1, 576, 960), (64, 576, 3072), (64, 1536, 576),
+                                                           (7, 64, 49152), (513, 96, 40), (0, 64, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_as_close_to_fp64_as_f_linear(rows: int, features: int, outputs: int, bias: bool) -> None:
+    x, weight = seeded(rows, features, seed=rows), seeded(outputs, features, seed=features) / features**0.5
+    b = seeded(outputs, seed=outputs) if bias else None
+    got = linear_packed(x, weight, b, PackedWeight())
+    assert got.shape == (rows, outputs) and got.dtype == torch.float32
+    expected = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    torchs = (linear_ref(x, weight, b, PackedWeight()).double() - expected).abs().max().item() if rows else 0.0
+    error = (got.double() - expected).abs().max().item() if rows else 0.0
+    assert error <= max(4 * torchs, 1e-5), (error, torchs)  # summation order only
+
+
+def test_any_leading_shape_and_strided_rows() -> None:
+    weight, packed = seeded(40, 24, seed=1), PackedWeight()
+    x3 = seeded(2, 5, 24, seed=2)
+    assert torch.allclose(linear_packed(x3, weight, None, packed), x3 @ weight.t(), atol=1e-5)
+    columns = seeded(24, 6, seed=3).t()  # [6, 24], not contiguous
+    assert torch.allclose(linear_packed(columns, weight, None, packed), columns @ weight.t(), atol=1e-5)
+
+
+def test_packs_once_and_again_when_the_weight_changes() -> None:
+    weight, packed, x = seeded(16, 8, seed=4), PackedWeight(), seeded(3, 8, seed=5)
+    first = linear_packed(x, weight, None, packed)
+    held = packed.of(weight)
+    assert packed.of(weight) is held  # not packed again
+    weight.mul_(2)  # in place (a state dict loaded into the model): the version counter moves
+    assert packed.of(weight) is not held
+    assert torch.allclose(linear_packed(x, weight, None, packed), 2 * first, atol=1e-5)
+    replaced = seeded(16, 8, seed=6)  # another tensor: packed from it
+    assert torch.allclose(linear_packed(x, replaced, None, packed), x @ replaced.t(), atol=1e-5)
+
+
+def test_refuses_other_dtypes_and_mismatched_features() -> None:
+    weight = seeded(16, 8, seed=7)
+    with pytest.raises(ValueError, match="fp32 CPU"):
+        linear_packed(seeded(3, 8, seed=8).double(), weight, None, PackedWeight())
+    with pytest.raises(ValueError, match="x has 9 features"):
+        linear_packed(seeded(3, 9, seed=9), weight, None, PackedWeight())
+
+
+def test_ref_writes_into_out_when_it_can() -> None:
+    x, weight = seeded(4, 8, seed=10), seeded(16, 8, seed=11)
+    out = torch.empty(4, 16)
+    assert linear_ref(x, weight, None, PackedWeight(), out).data_ptr() == out.data_ptr()
+    assert torch.allclose(out, x @ weight.t(), atol=1e-6)
