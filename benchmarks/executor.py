@@ -193,6 +193,9 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, br
     return result
 
 
+NORMS = "RMSNorm (and the residual adds)"  # each sublayer's output is added by the norm after it, in one call
+
+
 @contextlib.contextmanager
 def _section_timers(model: Any) -> Iterator[collections.defaultdict[str, float]]:
     """Wall time of the step's parts, summed over the step: wrappers on the model's modules and on the functions
@@ -213,11 +216,11 @@ def _section_timers(model: Any) -> Iterator[collections.defaultdict[str, float]]
         return wrapper
 
     modules: list[tuple[Any, str, str]] = [(model, "forward", "forward"), (model, "compute_logits", "matmul: LM head"),
-                                           (model.norm, "forward", "RMSNorm")]
+                                           (model.norm, "forward", NORMS)]
     for layer in model.layers:
         modules += [(lin, "forward", "matmul: linear layers") for lin in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        modules += [(norm, "forward", "RMSNorm") for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        modules += [(norm, "forward", NORMS) for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
     functions = [(llama_module, "paged_attention", "attention"), (runner_module, "sample", "sampling"),
                  (runner_module, "build_attention_metadata", "metadata")]
     for owner, attr, name in modules:
@@ -240,11 +243,11 @@ def _section_timers(model: Any) -> Iterator[collections.defaultdict[str, float]]
 
 def _breakdown(seconds: collections.defaultdict[str, float]) -> dict[str, float]:
     """The timed parts, and what is left of the forward pass and of the step once they are taken out."""
-    names = ("matmul: linear layers", "matmul: LM head", "attention", "RMSNorm", "rotary", "SiLU * up", "sampling",
+    names = ("matmul: linear layers", "matmul: LM head", "attention", NORMS, "rotary", "SiLU * up", "sampling",
              "metadata")
     parts = {name: seconds[name] for name in names}
-    in_forward = ("matmul: linear layers", "attention", "RMSNorm", "rotary", "SiLU * up")
-    parts["forward, other (embedding, residual adds, views)"] = (
+    in_forward = ("matmul: linear layers", "attention", NORMS, "rotary", "SiLU * up")
+    parts["forward, other (embedding, views, module calls)"] = (
         seconds["forward"] - sum(parts[name] for name in in_forward))
     parts["runner, other (batch, Python)"] = seconds["step"] - seconds["forward"] - sum(
         parts[name] for name in ("matmul: LM head", "sampling", "metadata"))

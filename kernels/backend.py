@@ -18,9 +18,9 @@ import torch
 from ._triton import TRITON_AVAILABLE
 from .block_copy import copy_blocks, copy_blocks_ref
 from .cache_write import cache_write, cache_write_ref
-from .cpu_layer_ops import cache_write_cpu, rms_norm_cpu, rotary_cpu, silu_and_mul_cpu
+from .cpu_layer_ops import add_rms_norm_cpu, cache_write_cpu, rms_norm_cpu, rotary_cpu, silu_and_mul_cpu
 from .cpu_native import cpu_unavailable_reason, paged_decode_attention_cpu
-from .layer_ops import rms_norm_ref, rotary_ref, silu_and_mul_ref
+from .layer_ops import add_rms_norm_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref
 from .linear_ops import PACKED_LINEAR_AVAILABLE, PackedWeight, linear_packed, linear_ref
 from .logits_ops import first_max_and_log_sum_cpu, first_max_and_log_sum_ref
 from .paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
@@ -77,6 +77,10 @@ class RmsNormFn(Protocol):
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
 
+class AddRmsNormFn(Protocol):  # x += delta in place (the residual stream), then rms_norm(x)
+    def __call__(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+
 class RotaryFn(Protocol):
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor: ...
 
@@ -104,6 +108,7 @@ class KernelBackend:
     cache_write: CacheWriteFn
     copy_blocks: CopyBlocksFn
     rms_norm: RmsNormFn = rms_norm_ref
+    add_rms_norm: AddRmsNormFn = add_rms_norm_ref
     rotary: RotaryFn = rotary_ref
     silu_and_mul: SiluAndMulFn = silu_and_mul_ref
     first_max_and_log_sum: FirstMaxAndLogSumFn = first_max_and_log_sum_ref  # sampling's, on the logits
@@ -129,7 +134,7 @@ TORCH_BACKEND = KernelBackend(
 # linear layers through oneDNN with packed weights (torch builds without oneDNN keep F.linear)
 CPU_BACKEND = dataclasses.replace(
     TORCH_BACKEND, name="cpu", decode_attention=paged_decode_attention_cpu, cache_write=cache_write_cpu,
-    rms_norm=rms_norm_cpu, rotary=rotary_cpu, silu_and_mul=silu_and_mul_cpu,
+    rms_norm=rms_norm_cpu, add_rms_norm=add_rms_norm_cpu, rotary=rotary_cpu, silu_and_mul=silu_and_mul_cpu,
     first_max_and_log_sum=first_max_and_log_sum_cpu, linear=linear_packed if PACKED_LINEAR_AVAILABLE else linear_ref,
 )
 

@@ -38,6 +38,19 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return out
 
 
+def add_rms_norm_cpu(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """add_rms_norm_ref in one call: x += delta (x contiguous, changed in place), then rms_norm_cpu(x)."""
+    check_fp32_cpu(x=x, delta=delta, weight=weight)
+    if x.dim() != 2 or delta.shape != x.shape or weight.shape != (x.shape[1],) or not x.is_contiguous():
+        raise ValueError(f"x must be [num_tokens, hidden] and contiguous, delta the same shape and weight [hidden],"
+                         f" got {tuple(x.shape)}, {tuple(delta.shape)}, {tuple(weight.shape)}")
+    delta, weight = _rows_contiguous(delta), weight.contiguous()
+    out = torch.empty(x.shape)
+    native_library().add_rms_norm_f32(x.data_ptr(), delta.data_ptr(), delta.stride(0), weight.data_ptr(),
+                                      out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
 def rotary_cpu(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """[num_tokens, heads, head_dim] -> the same, contiguous: rotary_ref in one pass."""
     cos, sin = rope

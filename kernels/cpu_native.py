@@ -45,6 +45,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {  # each function's ret
     "paged_decode_attention_f32": (
         ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32, _I64]),
     "rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _I64]),
+    "add_rms_norm_f32": (None, [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _I64]),
     "rotary_f32": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]),
     "silu_and_mul_f32": (None, [_PTR, _I64, _PTR, _I64, _I64, _I64]),
     "cache_write_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]),

@@ -23,6 +23,16 @@ def rms_norm_ref(
     return weight * x32.to(x.dtype)
 
 
+def add_rms_norm_ref(
+    x: torch.Tensor,  # [num_tokens, hidden]: the residual stream, added to in place
+    delta: torch.Tensor,  # [num_tokens, hidden]: a sublayer's output
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """The residual add and the norm after it: x += delta, then rms_norm_ref(x)."""
+    return rms_norm_ref(x.add_(delta), weight, eps)
+
+
 def rotary_ref(
     x: torch.Tensor,  # [num_tokens, heads, head_dim]: the query and key heads side by side, as the fused QKV has them
     rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [num_tokens, 1, head_dim // 2]

@@ -10,8 +10,14 @@ import torch
 
 from pagedserve.kernels import cpu_unavailable_reason
 from pagedserve.kernels.cache_write import cache_write_ref
-from pagedserve.kernels.cpu_layer_ops import cache_write_cpu, rms_norm_cpu, rotary_cpu, silu_and_mul_cpu
-from pagedserve.kernels.layer_ops import rms_norm_ref, rotary_ref, silu_and_mul_ref
+from pagedserve.kernels.cpu_layer_ops import (
+    add_rms_norm_cpu,
+    cache_write_cpu,
+    rms_norm_cpu,
+    rotary_cpu,
+    silu_and_mul_cpu,
+)
+from pagedserve.kernels.layer_ops import add_rms_norm_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref
 
 pytestmark = pytest.mark.skipif(cpu_unavailable_reason() is not None, reason=f"{cpu_unavailable_reason()}")
 
@@ -63,6 +69,32 @@ def test_rms_norm_of_a_strided_view_and_the_same_bits_at_any_thread_count() -> N
     assert all(torch.equal(outs[0], other) for other in outs[1:])
     columns = torch.randn(576, 64).t()  # elements of a row not adjacent: copied first
     assert_close_ulps(rms_norm_cpu(columns, weight, 1e-6), rms_norm_ref(columns.contiguous(), weight, 1e-6))
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 64, 100])
+@pytest.mark.parametrize("hidden", [16, 576, 1000])
+def test_add_rms_norm_is_the_add_then_the_norm(num_tokens: int, hidden: int, threads: int) -> None:
+    x, delta, weight = torch.randn(num_tokens, hidden) * 3e3, torch.randn(num_tokens, hidden) * 50, torch.randn(hidden)
+    added, ref_x = x + delta, x.clone()
+    ours = add_rms_norm_cpu(x, delta, weight, 1e-5)
+    assert torch.equal(x, added)  # the residual stream, added to in place, as torch adds
+    assert torch.equal(ours, rms_norm_cpu(added, weight, 1e-5))  # the same sum in the same order: bit for bit
+    assert_close_ulps(ours, add_rms_norm_ref(ref_x, delta, weight, 1e-5))
+    assert torch.equal(ref_x, added)
+
+
+def test_add_rms_norm_of_a_strided_delta_and_its_refusals() -> None:
+    x, wide, weight = torch.randn(64, 576), torch.randn(64, 700), torch.randn(576)
+    delta = wide[:, 50:626]  # rows 700 floats apart, as a slice of a wider output would be
+    expected_x = x + delta
+    assert torch.equal(add_rms_norm_cpu(x, delta, weight, 1e-6), rms_norm_cpu(expected_x, weight, 1e-6))
+    assert torch.equal(x, expected_x)
+    with pytest.raises(ValueError, match="contiguous"):  # written in place: a view's gaps would be skipped
+        add_rms_norm_cpu(wide[:, :576], x, weight, 1e-6)
+    with pytest.raises(ValueError, match="the same shape"):
+        add_rms_norm_cpu(x, x[:, :575], weight, 1e-6)
+    with pytest.raises(ValueError, match="fp32 CPU"):
+        add_rms_norm_cpu(x, x.double(), weight, 1e-6)
 
 
 @pytest.mark.parametrize("num_tokens", [0, 1, 5, 64])

@@ -34,8 +34,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.backend = backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
-        return self.backend.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:  # [num_tokens, hidden]
+        """rms_norm(x); with `delta`, the residual add before it in the same call: x += delta in place."""
+        if delta is None:
+            return self.backend.rms_norm(x, self.weight, self.eps)
+        return self.backend.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class Linear(nn.Linear):
@@ -106,11 +109,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, backend)
 
     def forward(
-        self, rope: RopeTables, x: torch.Tensor, meta: Metadata, kv_cache: KVCache
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        # The residual stream is the model's own tensor (the embedding's output, then this sum): added in place.
-        x = x.add_(self.self_attn(rope, self.input_layernorm(x), meta, kv_cache))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        self, rope: RopeTables, x: torch.Tensor, delta: torch.Tensor | None, meta: Metadata, kv_cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, hidden] each
+        """x: the residual stream, the model's own tensor (the embedding's output), added to in place; `delta`:
+        the previous layer's MLP output, not added yet (None in the first layer). Each sublayer's output is added
+        by the norm after it, in one call (`RMSNorm(x, delta)`); this layer's MLP output is returned for the next
+        norm to add."""
+        x_normed = self.input_layernorm(x, delta)
+        x_normed = self.post_attention_layernorm(x, self.self_attn(rope, x_normed, meta, kv_cache))
+        return x, self.mlp(x_normed)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -148,9 +155,10 @@ class LlamaForCausalLM(nn.Module):
         assert len(kv_caches) == len(self.layers), f"{len(kv_caches)} KV caches for {len(self.layers)} layers"
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         rope = self.rotary(positions, x.dtype)
+        delta: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(rope, x, meta, kv_cache)
-        return self.norm(x)
+            x, delta = layer(rope, x, delta, meta, kv_cache)
+        return self.norm(x, delta)
 
     def compute_logits(
         self, hidden: torch.Tensor, out: torch.Tensor | None = None
