@@ -79,6 +79,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     num_unforked: int = -1  # samples not forked yet from the first sequence
+    num_finished: int = 0  # samples (of `seqs`) finished: the scheduler counts them as it finishes them
     stop_ids: frozenset[int] = field(init=False)  # tokens that end a sample (stop tokens, EOS unless ignored)
     max_len: int = field(init=False)  # prompt + max_tokens: where a sample ends at the latest
 
@@ -91,8 +92,8 @@ class Request:
         self.max_len = len(self.prompt_token_ids) + self.params.max_tokens
 
     @property
-    def finished(self) -> bool:
-        return self.num_unforked == 0 and all(s.status is SeqStatus.FINISHED for s in self.seqs)
+    def finished(self) -> bool:  # asked of every request with a token, every step: a count, not a pass over seqs
+        return self.num_unforked == 0 and self.num_finished == len(self.seqs)
 
 
 @dataclass(eq=False)

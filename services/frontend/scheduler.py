@@ -478,6 +478,8 @@ class Scheduler:
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
+        if seq.status is not SeqStatus.FINISHED:
+            seq.request.num_finished += 1
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.request.metrics.finished = time.monotonic()
