@@ -5,9 +5,10 @@ chunks first, then one token per decoding sequence, in the order `AttentionMetad
 attention layer goes through `paged_attention`, so a prefix already in the cache is never recomputed; with
 a per-sequence KV layout (virtual, static) a layer gets a `DenseLayer` instead and attends densely.
 Q/K/V and gate/up are each one Linear (fused by the loaders), so a layer runs four matmuls, not seven.
-The norms, the rotary embedding and SiLU * up are the kernel backend's (`KernelBackend`): with the torch and
-Triton backends, transformers' own arithmetic (fp32 results match it to rounding); with the CPU backend,
-one-pass C kernels within a few ulp of it.
+The norms (each with the residual add before it), the rotary embedding and SiLU * up are the kernel
+backend's (`KernelBackend`): with the torch and Triton backends, transformers' own arithmetic (fp32 results
+match it to rounding); with the CPU backend, one-pass C kernels within a few ulp of it. So are the matmuls
+of the linear layers and the LM head: `F.linear`, or on the CPU backend oneDNN's with packed weights.
 """
 
 from __future__ import annotations
