@@ -138,7 +138,7 @@ class SequenceOutput:
     new_top_logprobs: Sequence[Sequence[tuple[int, float]]] = ()  # (token id, logprob) alternatives per new token
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per request with a token, every step: not frozen, which costs twice as much to build
 class StepOutput:
     """What one engine step produced for one request."""
 
