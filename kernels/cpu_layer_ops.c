@@ -19,41 +19,37 @@
 
 enum { OK = 0, BAD_SLOT = 1 };
 
+/* o = weight * row / sqrt(mean(row^2) + eps): one token's norm, shared by the two norms below, so that they
+ * sum in the same order */
+static inline void normalize_row(const float *row, const float *weight, float *o, int64_t hidden, float eps) {
+    float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < hidden; i++) squares += row[i] * row[i];
+    const float inverse_rms = 1.f / sqrtf(squares / (float)hidden + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; i++) o[i] = weight[i] * (row[i] * inverse_rms);
+}
+
 /* out[t] = weight * x[t] / sqrt(mean(x[t]^2) + eps); x rows `x_stride` floats apart, out contiguous */
 void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out, int64_t num_tokens,
                   int64_t hidden, float eps, int64_t num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens * hidden >= PARALLEL_MIN)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const float *row = x + t * x_stride;
-        float *o = out + t * hidden;
-        float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < hidden; i++) squares += row[i] * row[i];
-        const float inverse_rms = 1.f / sqrtf(squares / (float)hidden + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; i++) o[i] = weight[i] * (row[i] * inverse_rms);
-    }
+    for (int64_t t = 0; t < num_tokens; t++) normalize_row(x + t * x_stride, weight, out + t * hidden, hidden, eps);
 }
 
 /* The residual add fused into the next norm: x[t] += delta[t] in place (x is the model's residual stream,
- * contiguous), then out[t] = rms_norm(x[t]) as rms_norm_f32 computes it (the same sum in the same order, so
- * the result is the add followed by rms_norm_f32 bit for bit). One call and one read of x instead of two:
- * each call after a layer's GEMM finds its data and code out of cache (docs/performance.md). */
+ * contiguous), then out[t] = rms_norm(x[t]) as rms_norm_f32 computes it, so the result is the add followed by
+ * rms_norm_f32 bit for bit. One call instead of two: each call after a layer's GEMM finds its data and code
+ * out of cache (docs/performance.md). */
 void add_rms_norm_f32(float *x, const float *delta, int64_t delta_stride, const float *weight, float *out,
                       int64_t num_tokens, int64_t hidden, float eps, int64_t num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens * hidden >= PARALLEL_MIN)
     for (int64_t t = 0; t < num_tokens; t++) {
         float *row = x + t * hidden;
         const float *d = delta + t * delta_stride;
-        float *o = out + t * hidden;
 #pragma omp simd
         for (int64_t i = 0; i < hidden; i++) row[i] += d[i];
-        float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < hidden; i++) squares += row[i] * row[i];
-        const float inverse_rms = 1.f / sqrtf(squares / (float)hidden + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; i++) o[i] = weight[i] * (row[i] * inverse_rms);
+        normalize_row(row, weight, out + t * hidden, hidden, eps);
     }
 }
 
