@@ -1,5 +1,6 @@
-/* A decoder layer's per-token ops on the CPU in fp32, each in one pass: RMSNorm, the rotary embedding,
- * RMSNorm with the residual add before it, SiLU(gate) * up, and the write of a step's keys and values into the paged cache.
+/* A decoder layer's per-token ops on the CPU in fp32, each in one pass: RMSNorm (alone, or with the residual
+ * add before it), the rotary embedding, SiLU(gate) * up, and the write of a step's keys and values into the
+ * paged cache.
  *
  * Built with the decode attention kernel into one library (kernels/cpu_native.py). torch runs each of these
  * as several ops (RMSNorm: pow, mean, add, rsqrt and two multiplies; the rotary embedding: four multiplies,

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .cpu_native import check_fp32_cpu
+
 PACKED_LINEAR_AVAILABLE = torch.backends.mkldnn.is_available()
 
 
@@ -51,9 +53,7 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """linear_ref through oneDNN with `weight` packed once into `packed`: fp32 CPU tensors. oneDNN writes a
     tensor of its own, so `out` is not used (the allocator reuses the freed one from the step before)."""
-    if weight.dtype != torch.float32 or x.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"the packed linear multiplies fp32 CPU tensors, got x {x.dtype} and weight "
-                         f"{weight.dtype} on {weight.device}")
+    check_fp32_cpu(x=x, weight=weight)
     if x.shape[-1] != weight.shape[1]:  # oneDNN's own message would not say which
         raise ValueError(f"x has {x.shape[-1]} features, the weight {tuple(weight.shape)} takes {weight.shape[1]}")
     return torch.ops.mkldnn._linear_pointwise(x, packed.of(weight), bias, "none", [], "")
