@@ -134,16 +134,28 @@ static inline void scores_plain(const HeadPass *h, const float *q, float scale, 
     }
 }
 
-/* out = sum_t p[t] v[t] * inverse, the sum in registers */
+/* out[c..c+n) = sum_t p[t] v[t][c..c+n) * inverse for `n` vectors from vector c: `n` is a constant at each call,
+   so the loops unroll and the sums stay in registers (with a count known only at run time, GCC kept them in
+   memory: a load, multiply-add and store per vector and position, each position waiting on the last's store) */
+static inline __attribute__((always_inline)) void values_block(const HeadPass *h, const float *p, float inverse,
+                                                               float *out, int64_t c, int n) {
+    vec acc[8];
+    for (int i = 0; i < n; i++) acc[i] = (vec){0};
+    for (int64_t t = 0; t < h->len; t++) {
+        const float *v = h->v_cache + h->rows[t] + h->head + LANES * c, w = p[t];
+        for (int i = 0; i < n; i++) acc[i] += w * load(v + LANES * i);
+    }
+    for (int i = 0; i < n; i++) store(out + LANES * (c + i), acc[i] * inverse);
+}
+
+/* out = sum_t p[t] v[t] * inverse, the sums in registers: blocks of eight vectors (AVX2's 16 registers hold
+   eight sums and the loads), then four, then one */
 static inline void values_in_registers(const HeadPass *h, const float *p, float inverse, float *out) {
     const int64_t vectors = h->head_dim / LANES;
-    vec acc[MAX_VECTORS];
-    for (int64_t c = 0; c < vectors; c++) acc[c] = (vec){0};
-    for (int64_t t = 0; t < h->len; t++) {
-        const float *v = h->v_cache + h->rows[t] + h->head, w = p[t];
-        for (int64_t c = 0; c < vectors; c++) acc[c] += w * load(v + LANES * c);
-    }
-    for (int64_t c = 0; c < vectors; c++) store(out + LANES * c, acc[c] * inverse);
+    int64_t c = 0;
+    for (; c + 8 <= vectors; c += 8) values_block(h, p, inverse, out, c, 8);
+    for (; c + 4 <= vectors; c += 4) values_block(h, p, inverse, out, c, 4);
+    for (; c < vectors; c++) values_block(h, p, inverse, out, c, 1);
 }
 
 static inline void values_plain(const HeadPass *h, const float *p, float inverse, float *out) {

@@ -72,6 +72,7 @@ def _loop_lines(lines: list[str], first: int) -> range:
         (8, 16, 1, [5, 2]),
         (2, 20, 16, [30, 7]),  # not a multiple of the vector width: the plain loops
         (1, 24, 16, [40, 2]),  # a multiple of AVX2's 8 floats, not AVX-512's 16
+        (1, 48, 16, [23, 5]),  # AVX2: the values summed as a block of four vectors, then two of one
         (1, 320, 16, [20, 3]),  # wider than the registers hold (256): the plain loops
     ],
 )
