@@ -12,7 +12,9 @@ The decode step (`--decode-seqs` sequences, 64 by default, each `--decode-contex
 the whole `ModelRunner.execute` of one greedy decode step (batch building, forward, logits, sampling) against
 the same linear layers alone (every layer's fused QKV, O, fused gate/up and down projections, and the LM head,
 with the step's shapes), the two timed alternately (medians). Their ratio is what the step costs beyond its
-GEMMs: attention, norms, rotary, activations, sampling, Python (docs/performance.md).
+GEMMs: attention, norms, rotary, activations, sampling, Python (docs/performance.md). `--decode-breakdown`
+times its parts through the generic layer loop: its timers replace the backend's ops, which turns off the
+cpu backend's decode forward (services/executor/model/cpu_decode.py), so that step is the slower one.
 """
 
 from __future__ import annotations

@@ -111,3 +111,31 @@ int cache_write_f32(const float *key, int64_t key_stride, const float *value, in
     }
     return OK;
 }
+
+int paged_decode_attention_f32(const float *q, int64_t q_seq_stride, const float *k_cache, const float *v_cache,
+                               int64_t num_blocks, int64_t block_size, const int32_t *block_tables,
+                               int64_t max_blocks, const int32_t *seq_lens, float *out, int64_t num_seqs,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                               int64_t num_threads); /* paged_decode_attention_cpu.c */
+
+/* A decode layer's attention after its QKV matmul, in one call: the rotary embedding of q and k (qkv's rows, q
+ * heads then k heads then v heads, `qkv_stride` floats apart) into qk [num_seqs, num_heads + num_kv_heads,
+ * head_dim], the keys and values into the cache, then decode attention into out [num_seqs, num_heads,
+ * head_dim]: rotary_f32, cache_write_f32 and paged_decode_attention_f32 in that order, so the result is theirs
+ * bit for bit. One call instead of three (a call after a GEMM pays for its cold code and data). Returns 0,
+ * BAD_SLOT_CODE for a slot past the cache (nothing written), or the attention kernel's error code. */
+#define BAD_SLOT_CODE 4
+int decode_attention_layer_f32(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin, float *qk,
+                               float *k_cache, float *v_cache, int64_t num_blocks, int64_t block_size,
+                               const int64_t *slots, const int32_t *block_tables, int64_t max_blocks,
+                               const int32_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,
+                               int64_t num_kv_heads, int64_t head_dim, float scale, int64_t num_threads) {
+    const int64_t heads = num_heads + num_kv_heads, kv_row = num_kv_heads * head_dim;
+    rotary_f32(qkv, qkv_stride, cos, sin, qk, num_seqs, heads, head_dim, num_threads);
+    if (cache_write_f32(qk + num_heads * head_dim, heads * head_dim, qkv + heads * head_dim, qkv_stride, k_cache,
+                        v_cache, slots, num_seqs, kv_row, num_blocks * block_size) != OK)
+        return BAD_SLOT_CODE;
+    return paged_decode_attention_f32(qk, heads * head_dim, k_cache, v_cache, num_blocks, block_size, block_tables,
+                                      max_blocks, seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, scale,
+                                      num_threads);
+}

@@ -39,6 +39,7 @@ ERRORS = {  # the kernel's return codes
     1: "a block table names a block outside the cache",
     2: "a sequence length is negative or longer than its block table",
     3: "the kernel could not allocate its scratch memory",
+    4: "slot_mapping names a slot past the cache",
 }
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {  # each function's return and argument types
@@ -50,6 +51,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {  # each function's ret
     "silu_and_mul_f32": (None, [_PTR, _I64, _PTR, _I64, _I64, _I64]),
     "cache_write_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]),
     "first_max_and_log_sum_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64]),
+    "decode_attention_layer_f32": (
+        ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64,
+                       _I64, _I64, _F32, _I64]),
 }
 
 

@@ -20,6 +20,7 @@ from ....kernels import KernelBackend
 from ....kernels.linear_ops import PackedWeight
 from ..attention import AttentionMetadata, paged_attention
 from ..dense_attention import DenseAttentionMetadata, DenseLayer, dense_attention
+from . import cpu_decode
 from .config import ModelConfig
 from .rope import RopeTables, RotaryEmbedding
 
@@ -156,6 +157,14 @@ class LlamaForCausalLM(nn.Module):
         assert len(kv_caches) == len(self.layers), f"{len(kv_caches)} KV caches for {len(self.layers)} layers"
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         rope = self.rotary(positions, x.dtype)
+        if cpu_decode.applies(self.backend, meta, kv_caches, x):  # the same kernels, the glue once per step
+            return cpu_decode.decode_forward(self, x, rope, meta, kv_caches)  # type: ignore[arg-type]
+        return self.forward_layers(x, rope, meta, kv_caches)
+
+    def forward_layers(self, x: torch.Tensor, rope: RopeTables, meta: Metadata, kv_caches: list[KVCache]
+                       ) -> torch.Tensor:
+        """The decoder layers and the final norm over the embedded tokens `x` (added to in place): every
+        backend, every batch."""
         delta: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, delta = layer(rope, x, delta, meta, kv_cache)

@@ -1,0 +1,114 @@
+"""A step of decodes on the `cpu` kernel backend, with the per-layer glue taken out of the forward pass.
+
+Each of a layer's four GEMMs streams megabytes of weights, and the op after it finds Python's and torch's
+code and data out of cache: on a 2-core AVX2 machine a 64-row RMSNorm through its checked wrapper cost ~190
+us after a GEMM, against ~11 us for its C kernel called with raw pointers while warm (docs/performance.md).
+So for a step of decodes only, over a paged cache, this forward checks its inputs and allocates its buffers
+once per step, not once per layer, and calls each C kernel with raw pointers: a layer is four GEMMs and
+four C calls (the residual add with its norm, twice; rotary, cache write and attention in one; SiLU * up).
+The kernels, their order and their arithmetic are those of `LlamaForCausalLM.forward` on the cpu backend,
+so the hidden states are equal bit for bit (tests/executor/test_cpu_decode.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.nn.functional as F
+
+from ....kernels import KernelBackend
+from ....kernels._common import check_block_tables, check_kv_cache
+from ....kernels.backend import CPU_BACKEND
+from ....kernels.cpu_native import ERRORS, native_library
+from ....kernels.linear_ops import linear_packed
+from ..attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from .llama import DecoderLayer, KVCache, LlamaForCausalLM, Metadata
+
+
+def applies(backend: KernelBackend, meta: Metadata, kv_caches: list[KVCache], x: torch.Tensor) -> bool:
+    """Whether this forward can run the step: the cpu backend exactly as built (not one with ops replaced, such
+    as the benchmark's timers), fp32, a paged cache, and decodes only."""
+    return (backend == CPU_BACKEND and isinstance(meta, AttentionMetadata) and meta.num_prefill_tokens == 0
+            and meta.decode_gather is None and x.dtype == torch.float32 and x.device.type == "cpu" and bool(kv_caches)
+            and isinstance(kv_caches[0], tuple))
+
+
+def decode_forward(
+    model: LlamaForCausalLM,
+    x: torch.Tensor,  # [num_seqs, hidden]: the embedded tokens, the residual stream (added to in place)
+    rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [num_seqs, 1, head_dim // 2]
+    meta: AttentionMetadata,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:  # [num_seqs, hidden], after the final norm
+    config, lib, threads = model.config, native_library(), torch.get_num_threads()
+    layers = cast("list[DecoderLayer]", list(model.layers))
+    n, hidden = x.shape
+    if not x.is_contiguous():
+        raise ValueError("the residual stream must be contiguous: the norms add to it in place")
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    cos, sin = (t.contiguous() for t in rope)
+    slots, tables, lens = meta.slot_mapping.contiguous(), meta.decode_block_tables.contiguous(), meta.decode_seq_lens
+    check_block_tables(tables, lens, n)
+    if cos.shape != (n, 1, head_dim // 2) or slots.shape != (n,) or slots.dtype != torch.int64:
+        raise ValueError(f"rope tables {tuple(cos.shape)} and slots {tuple(slots.shape)} do not fit {n} decodes")
+    for k_cache, v_cache in kv_caches:
+        cache = check_kv_cache(k_cache, v_cache)
+        if not (k_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and cache.num_kv_heads == kv_heads and cache.head_dim == head_dim and k_cache.device.type == "cpu"):
+            raise ValueError(f"a layer's cache {tuple(k_cache.shape)} {k_cache.dtype} is not the model's fp32 "
+                             f"contiguous [blocks, block_size, {kv_heads}, {head_dim}]")
+    num_blocks, block_size = kv_caches[0][0].shape[:2]
+    # one buffer per kind, reused by every layer: each is read by the GEMM or kernel right after it is written
+    normed = torch.empty(n, hidden)
+    qk = torch.empty(n, heads + kv_heads, head_dim)
+    attended = torch.empty(n, heads * head_dim)
+    activated = torch.empty(n, config.intermediate_size)
+    x_ptr, normed_ptr, qk_ptr, attended_ptr, activated_ptr = (
+        t.data_ptr() for t in (x, normed, qk, attended, activated))
+    rope_args = (cos.data_ptr(), sin.data_ptr(), qk_ptr)
+    batch_args = (slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), attended_ptr, n, heads,
+                  kv_heads, head_dim, layers[0].self_attn.scale, threads)
+    matmul = _matmul(model.backend)
+    add_rms_norm, decode_attention, silu_and_mul = (
+        lib.add_rms_norm_f32, lib.decode_attention_layer_f32, lib.silu_and_mul_f32)
+    qkv_width, inter = config.q_size + 2 * config.kv_size, config.intermediate_size  # the GEMMs' outputs: contiguous
+    delta: torch.Tensor | None = None
+    for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+        attention, mlp = layer.self_attn, layer.mlp
+        norm = layer.input_layernorm
+        if delta is None:
+            lib.rms_norm_f32(x_ptr, hidden, norm.weight.data_ptr(), normed_ptr, n, hidden, norm.eps, threads)
+        else:
+            add_rms_norm(x_ptr, delta.data_ptr(), hidden, norm.weight.data_ptr(), normed_ptr, n, hidden, norm.eps,
+                         threads)
+        qkv = matmul(normed, attention.qkv_proj)
+        _check(decode_attention(qkv.data_ptr(), qkv_width, *rope_args, k_cache.data_ptr(), v_cache.data_ptr(),
+                                num_blocks, block_size, *batch_args))
+        out = matmul(attended, attention.o_proj)
+        norm = layer.post_attention_layernorm
+        add_rms_norm(x_ptr, out.data_ptr(), hidden, norm.weight.data_ptr(), normed_ptr, n, hidden, norm.eps, threads)
+        gate_up = matmul(normed, mlp.gate_up_proj)
+        silu_and_mul(gate_up.data_ptr(), 2 * inter, activated_ptr, n, inter, threads)
+        delta = matmul(activated, mlp.down_proj)
+    assert delta is not None, "a model without layers"
+    return model.norm(x, delta)
+
+
+def _matmul(backend: KernelBackend) -> Any:
+    """The backend's matmul without its per-call checks (the shapes are the model's own, fixed above): oneDNN's
+    on the packed weight, or F.linear where torch has no oneDNN."""
+    if backend.linear is linear_packed:
+        pointwise = torch.ops.mkldnn._linear_pointwise
+
+        def packed(x: torch.Tensor, linear: Any) -> torch.Tensor:
+            return pointwise(x, linear.packed.of(linear.weight), linear.bias, "none", [], "")
+        return packed
+    return lambda x, linear: F.linear(x, linear.weight, linear.bias)
+
+
+def _check(status: int) -> None:
+    if status:
+        raise ValueError(ERRORS.get(status, f"the kernel failed with code {status}"))
