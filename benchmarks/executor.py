@@ -13,8 +13,8 @@ the whole `ModelRunner.execute` of one greedy decode step (batch building, forwa
 the same linear layers alone (every layer's fused QKV, O, fused gate/up and down projections, and the LM head,
 with the step's shapes), the two timed alternately (medians). Their ratio is what the step costs beyond its
 GEMMs: attention, norms, rotary, activations, sampling, Python (docs/performance.md). `--decode-breakdown`
-times its parts through the generic layer loop: its timers replace the backend's ops, which turns off the
-cpu backend's decode forward (services/executor/model/cpu_decode.py), so that step is the slower one.
+times its parts; on the cpu backend those of its decode forward (services/executor/model/cpu_decode.py), where
+the rotary embedding and the cache write are part of "attention".
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import statistics
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -201,8 +202,12 @@ NORMS = "RMSNorm (and the residual adds)"  # each sublayer's output is added by 
 @contextlib.contextmanager
 def _section_timers(model: Any) -> Iterator[collections.defaultdict[str, float]]:
     """Wall time of the step's parts, summed over the step: wrappers on the model's modules and on the functions
-    the runner and the layers call, all removed on exit. The wrappers add ~1 us per call (~300 a step)."""
+    the runner and the layers call, all removed on exit. The wrappers add ~1 us per call (~300 a step). On the
+    cpu backend the decode step runs `cpu_decode.decode_forward`, whose GEMMs and C calls are wrapped instead
+    (there the rotary embedding and the cache write are inside the attention call)."""
+    from ..kernels.backend import CPU_BACKEND
     from ..services.executor import runner as runner_module
+    from ..services.executor.model import cpu_decode
     from ..services.executor.model import llama as llama_module
 
     seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -219,20 +224,31 @@ def _section_timers(model: Any) -> Iterator[collections.defaultdict[str, float]]
 
     modules: list[tuple[Any, str, str]] = [(model, "forward", "forward"), (model, "compute_logits", "matmul: LM head"),
                                            (model.norm, "forward", NORMS)]
-    for layer in model.layers:
-        modules += [(lin, "forward", "matmul: linear layers") for lin in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        modules += [(norm, "forward", NORMS) for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
-    functions = [(llama_module, "paged_attention", "attention"), (runner_module, "sample", "sampling"),
-                 (runner_module, "build_attention_metadata", "metadata")]
+    functions = [(runner_module, "sample", "sampling"), (runner_module, "build_attention_metadata", "metadata")]
+    backend = model.backend
+    if backend == CPU_BACKEND:  # the decode forward's own calls
+        library = cpu_decode.native_library()
+        names = {"rms_norm_f32": NORMS, "add_rms_norm_f32": NORMS, "decode_attention_layer_f32": "attention",
+                 "silu_and_mul_f32": "SiLU * up"}
+        timed_library = types.SimpleNamespace(**{f: timed(name, getattr(library, f)) for f, name in names.items()})
+        matmul = cpu_decode._matmul
+        functions += [(cpu_decode, "native_library", ""), (cpu_decode, "_matmul", "")]
+        replacements = {"native_library": lambda: timed_library,
+                        "_matmul": lambda b: timed("matmul: linear layers", matmul(b))}
+    else:
+        for layer in model.layers:
+            modules += [(lin, "forward", "matmul: linear layers") for lin in (
+                layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            modules += [(norm, "forward", NORMS) for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        functions.append((llama_module, "paged_attention", "attention"))
+        replacements = {}
+        model.use_backend(dataclasses.replace(backend, rotary=timed("rotary", backend.rotary),
+                                              silu_and_mul=timed("SiLU * up", backend.silu_and_mul)))
     for owner, attr, name in modules:
         setattr(owner, attr, timed(name, getattr(owner, attr)))  # an instance attribute over the class's method
     originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in functions]
     for owner, attr, name in functions:
-        setattr(owner, attr, timed(name, getattr(owner, attr)))
-    backend = model.backend
-    model.use_backend(dataclasses.replace(backend, rotary=timed("rotary", backend.rotary),
-                                          silu_and_mul=timed("SiLU * up", backend.silu_and_mul)))
+        setattr(owner, attr, replacements.get(attr) or timed(name, getattr(owner, attr)))
     try:
         yield seconds
     finally:

@@ -69,3 +69,19 @@ def test_run_cli_prints_one_json_object_per_prompt() -> None:
     assert [line["prompt"] for line in lines] == ["Hello, my name is", "2 + 2 ="]
     for line in lines:
         assert len(line["token_ids"]) == 5 and line["finish_reason"] == "length" and isinstance(line["text"], str)
+
+
+def test_decode_step_breakdown_times_the_cpu_decode_forward() -> None:
+    # bench executor --decode-breakdown on the cpu backend wraps the decode forward's own GEMMs and C calls
+    from pagedserve.benchmarks.executor import NORMS, bench_decode_step
+    from pagedserve.services.executor.model import cpu_decode
+
+    originals = (cpu_decode.native_library, cpu_decode._matmul)
+    with LLM("smollm2-135m", device="cpu", dtype="float32", kv_cache_mib=16, executor="thread") as llm:
+        result = bench_decode_step(llm, 4, 20, 3, breakdown=True)
+    assert result["kernel_backend"] == "cpu"
+    parts = result["decode_breakdown_ms_4"]
+    for name in ("matmul: linear layers", "matmul: LM head", "attention", NORMS, "SiLU * up", "sampling"):
+        assert parts[name] > 0, name
+    assert parts["rotary"] == 0  # inside the attention call
+    assert (cpu_decode.native_library, cpu_decode._matmul) == originals  # the wrappers are gone
