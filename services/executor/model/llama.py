@@ -8,7 +8,9 @@ Q/K/V and gate/up are each one Linear (fused by the loaders), so a layer runs fo
 The norms (each with the residual add before it), the rotary embedding and SiLU * up are the kernel
 backend's (`KernelBackend`): with the torch and Triton backends, transformers' own arithmetic (fp32 results
 match it to rounding); with the CPU backend, one-pass C kernels within a few ulp of it. So are the matmuls
-of the linear layers and the LM head: `F.linear`, or on the CPU backend oneDNN's with packed weights.
+of the linear layers and the LM head: `F.linear`, or on the CPU backend oneDNN's with packed weights. On the
+cpu backend a step of decodes only runs `cpu_decode.decode_forward` instead of `forward_layers`: the same kernels
+in the same order, its checks, buffers and lookups once per step rather than once per layer.
 """
 
 from __future__ import annotations
