@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ._common import check_block_tables, check_kv_cache
+from ._common import CacheShape, check_block_tables, check_kv_cache
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention_cpu.c", "cpu_layer_ops.c",
                                                                    "cpu_logits.c"))
@@ -115,6 +115,21 @@ def check_fp32_cpu(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must be an fp32 CPU tensor, got {tensor.dtype} on {tensor.device}")
 
 
+def check_fp32_cpu_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> CacheShape:
+    """A layer's caches as the C kernels read them: check_kv_cache's shape, fp32 on the CPU, contiguous."""
+    cache = check_kv_cache(k_cache, v_cache)
+    check_fp32_cpu(k_cache=k_cache, v_cache=v_cache)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the caches must be contiguous")
+    return cache
+
+
+def check_status(status: int) -> None:
+    """A kernel's return code: 0, or a ValueError that says what it refused."""
+    if status:
+        raise ValueError(ERRORS.get(status, f"the kernel failed with code {status}"))
+
+
 def paged_decode_attention_cpu(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32; each row's heads contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32, contiguous
@@ -128,11 +143,9 @@ def paged_decode_attention_cpu(
     """Decode attention over an fp32 paged cache on the CPU; a sequence of length 0 attends to nothing (0)."""
     library = native_library()
     num_seqs, num_heads, head_dim = q.shape
-    cache = check_kv_cache(k_cache, v_cache)
+    cache = check_fp32_cpu_caches(k_cache, v_cache)
     check_block_tables(block_tables, seq_lens, num_seqs)
-    check_fp32_cpu(q=q, k_cache=k_cache, v_cache=v_cache)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the caches must be contiguous")
+    check_fp32_cpu(q=q)
     if q.stride(2) != 1 or (num_heads > 1 and q.stride(1) != head_dim):
         raise ValueError(f"each query row's heads must be contiguous, got strides {q.stride()}")
     if cache.head_dim != head_dim or cache.num_kv_heads == 0 or num_heads % cache.num_kv_heads:
@@ -145,6 +158,5 @@ def paged_decode_attention_cpu(
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
         cache.num_kv_heads, head_dim, scale, torch.get_num_threads(),
     )
-    if status:
-        raise ValueError(ERRORS.get(status, f"the kernel failed with code {status}"))
+    check_status(status)
     return out

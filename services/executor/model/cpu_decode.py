@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from ....kernels import KernelBackend
-from ....kernels._common import check_block_tables, check_kv_cache
+from ....kernels._common import check_block_tables
 from ....kernels.backend import CPU_BACKEND
-from ....kernels.cpu_native import ERRORS, native_library
+from ....kernels.cpu_native import check_fp32_cpu_caches, check_status, native_library
 from ....kernels.linear_ops import linear_packed
 from ..attention import AttentionMetadata
 
@@ -55,11 +55,10 @@ def decode_forward(
     if cos.shape != (n, 1, head_dim // 2) or slots.shape != (n,) or slots.dtype != torch.int64:
         raise ValueError(f"rope tables {tuple(cos.shape)} and slots {tuple(slots.shape)} do not fit {n} decodes")
     for k_cache, v_cache in kv_caches:
-        cache = check_kv_cache(k_cache, v_cache)
-        if not (k_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
-                and cache.num_kv_heads == kv_heads and cache.head_dim == head_dim and k_cache.device.type == "cpu"):
-            raise ValueError(f"a layer's cache {tuple(k_cache.shape)} {k_cache.dtype} is not the model's fp32 "
-                             f"contiguous [blocks, block_size, {kv_heads}, {head_dim}]")
+        cache = check_fp32_cpu_caches(k_cache, v_cache)
+        if (cache.num_kv_heads, cache.head_dim) != (kv_heads, head_dim):
+            raise ValueError(f"a layer's cache {tuple(k_cache.shape)} does not hold the model's {kv_heads} KV heads "
+                             f"of {head_dim}")
     num_blocks, block_size = kv_caches[0][0].shape[:2]
     # one buffer per kind, reused by every layer: each is read by the GEMM or kernel right after it is written
     normed = torch.empty(n, hidden)
@@ -85,7 +84,7 @@ def decode_forward(
             add_rms_norm(x_ptr, delta.data_ptr(), hidden, norm.weight.data_ptr(), normed_ptr, n, hidden, norm.eps,
                          threads)
         qkv = matmul(normed, attention.qkv_proj)
-        _check(decode_attention(qkv.data_ptr(), qkv_width, *rope_args, k_cache.data_ptr(), v_cache.data_ptr(),
+        check_status(decode_attention(qkv.data_ptr(), qkv_width, *rope_args, k_cache.data_ptr(), v_cache.data_ptr(),
                                 num_blocks, block_size, *batch_args))
         out = matmul(attended, attention.o_proj)
         norm = layer.post_attention_layernorm
@@ -107,8 +106,3 @@ def _matmul(backend: KernelBackend) -> Any:
             return pointwise(x, linear.packed.of(linear.weight), linear.bias, "none", [], "")
         return packed
     return lambda x, linear: F.linear(x, linear.weight, linear.bias)
-
-
-def _check(status: int) -> None:
-    if status:
-        raise ValueError(ERRORS.get(status, f"the kernel failed with code {status}"))
