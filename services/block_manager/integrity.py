@@ -16,6 +16,9 @@ def check_integrity(manager: BlockManager) -> None:
     pool, bs = manager.pool, manager.block_size
     refs: Counter[int] = Counter()
     cpu_refs: Counter[int] = Counter()
+    num_swapped = sum(seq.cpu_table is not None for seq in manager.seqs.values())
+    assert manager.num_swapped_sequences == num_swapped, (
+        f"{manager.num_swapped_sequences} sequences counted as swapped out, {num_swapped} are")
     for seq_id, seq in manager.seqs.items():
         assert seq.seq_id == seq_id, f"sequence stored under {seq_id} calls itself {seq.seq_id}"
         assert seq.num_computed <= seq.num_slots <= len(seq.token_ids) + MAX_UNTOLD_SLOTS, (

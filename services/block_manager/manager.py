@@ -109,6 +109,7 @@ class BlockManager:
         self.num_cow_copies = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        self.num_swapped_sequences = 0  # sequences with a CPU table: counted, not recounted for every step's stats
 
     # ---- queries -------------------------------------------------------------------------------------
 
@@ -320,6 +321,7 @@ class BlockManager:
         seq = self.get(seq_id)
         del self.seqs[seq_id]
         if seq.cpu_table is not None:
+            self.num_swapped_sequences -= 1
             for cpu_id in reversed(seq.cpu_table):
                 self.cpu_pool.release(cpu_id)
         for block in reversed(seq.block_table):
@@ -336,6 +338,7 @@ class BlockManager:
         if len(src_slots) > self.cpu_pool.num_free_blocks:
             return REFUSED_SWAP
         dst = {block_id: self.cpu_pool.allocate() for block_id in src_slots}
+        self.num_swapped_sequences += len(seqs)
         for seq in seqs:
             seq.cpu_table = [dst[block.block_id] for block in seq.block_table]
             for cpu_id in seq.cpu_table:
@@ -384,6 +387,7 @@ class BlockManager:
             for cpu_id in reversed(seq.cpu_table):
                 self.cpu_pool.release(cpu_id)
             seq.cpu_table = None
+            self.num_swapped_sequences -= 1
             deltas.append(BlockTableDelta(seq.seq_id, 0, tuple(b.block_id for b in seq.block_table)))
         for block in dst.values():
             self.pool.release(block)  # drop the plan's own reference: holders keep theirs
@@ -396,6 +400,7 @@ class BlockManager:
     def reset(self) -> None:
         """Forgets every sequence and every cached block (the executor's KV tensors are gone)."""
         self.seqs.clear()
+        self.num_swapped_sequences = 0
         self.pool.reset()
         self.cpu_pool.reset()
 

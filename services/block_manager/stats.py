@@ -61,7 +61,7 @@ def collect_stats(manager: BlockManager) -> BlockStats:
         num_cpu_blocks=manager.cpu_pool.num_blocks,
         num_free_cpu_blocks=manager.cpu_pool.num_free_blocks,
         num_sequences=len(manager.seqs),
-        num_swapped_sequences=sum(seq.is_swapped for seq in manager.seqs.values()),
+        num_swapped_sequences=manager.num_swapped_sequences,
         block_pressure=used / total,
         block_pressure_with_cached=(used + pool.num_cached_free) / total,
         kv_utilization=pool.num_filled_used / (used * manager.block_size) if used else 0.0,

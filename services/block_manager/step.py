@@ -214,11 +214,13 @@ class _Validator:
                         f"{at}.decode: seq_ids must be distinct and match token_ids one to one"
                         f" ({len(op.seq_ids)} seq_ids, {len(op.token_ids)} token_ids)"
                     )
-                _check_token_ids([t for t in op.token_ids if t != NO_TOKEN], f"{at}.decode.token_ids")
-                for seq_id, token in zip(op.seq_ids, op.token_ids, strict=True):
-                    self.decode(seq_id, f"{at}.decode.seq_ids")
+                ids_at, tokens_at = f"{at}.decode.seq_ids", f"{at}.decode.token_ids"
+                if op.token_ids and not NO_TOKEN <= min(op.token_ids) <= max(op.token_ids) <= MAX_TOKEN_ID:
+                    _check_token_ids([t for t in op.token_ids if t != NO_TOKEN], tokens_at)  # names the bad one
+                for seq_id, token in zip(op.seq_ids, op.token_ids, strict=True):  # every running sequence
+                    self.decode(seq_id, ids_at)
                     if token == NO_TOKEN:
-                        self.check_unknown_slot_is_free(seq_id, f"{at}.decode.token_ids")
+                        self.check_unknown_slot_is_free(seq_id, tokens_at)
             case SwapOutOp() | SwapInOp():
                 name = "swap_out" if isinstance(op, SwapOutOp) else "swap_in"
                 if not op.seq_ids or len(set(op.seq_ids)) != len(op.seq_ids):
@@ -269,7 +271,7 @@ def _apply(manager: BlockManager, op: Op, refused: set[int]) -> OpOutcome:
             manager.free(op.seq_id)
         return OpOutcome()
     if isinstance(op, DecodeOp):  # per sequence: the ones an earlier refusal blocked count as refused
-        skipped = [seq_id for seq_id in op.seq_ids if seq_id in refused]
+        skipped = [seq_id for seq_id in op.seq_ids if seq_id in refused] if refused else []
         if skipped:
             keep = [i for i, seq_id in enumerate(op.seq_ids) if seq_id not in refused]
             op = DecodeOp([op.seq_ids[i] for i in keep], [op.token_ids[i] for i in keep])

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from itertools import chain, repeat
+import _operator as operator  # the standard library's (this package has an `operator` of its own)
+from collections.abc import Iterable, Sequence
+from itertools import chain, compress, repeat
 
 from ...protos import executor_pb2 as pb
 from ...protos import executor_pb2_grpc as pb_grpc
@@ -18,11 +19,15 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = Non
     seqs = step.sequences
     seq_ids, token_lists, starts, tables, slot_lists, samplings = zip(*seqs, strict=True) if seqs else ((),) * 6
     table_held: Sequence[bool] = ()
+    table_lens = list(map(len, tables))
+    sent_tables: Iterable[Sequence[int]] = tables
     if held is not None:
         table_held = held.sent(seq_ids, tables)
         held.release(step.released_seq_ids)
-        tables = tuple(() if h else t for t, h in zip(tables, table_held, strict=True))  # a held one: not sent
-    sampled = [p for p in samplings if p is not None]
+        if any(table_held):  # a held table is not sent: length 0
+            not_held = list(map(operator.not_, table_held))
+            sent_tables, table_lens = compress(tables, not_held), list(map(operator.mul, table_lens, not_held))
+    sampled = list(filter(None, samplings))  # the SamplingParams of those that sample (a tuple, never empty)
     temperature, top_k, top_p, seed, num_top_logprobs = zip(*sampled, strict=True) if sampled else ((),) * 5
     return pb.ExecuteRequest(
         swap_out=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_out],
@@ -32,11 +37,11 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = Non
         seq_ids=seq_ids,
         num_tokens=list(map(len, token_lists)),
         start_positions=starts,
-        block_table_lens=list(map(len, tables)),
-        sample=[p is not None for p in samplings],
+        block_table_lens=table_lens,
+        sample=list(map(bool, samplings)),
         token_ids=list(chain.from_iterable(token_lists)),
         slot_mapping=list(chain.from_iterable(slot_lists)),
-        block_tables=list(chain.from_iterable(tables)),
+        block_tables=list(chain.from_iterable(sent_tables)),
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,

@@ -6,8 +6,10 @@ never load torch (only the executor's does). executor.proto carries the same fie
 
 from __future__ import annotations
 
+import _operator as operator  # the standard library's (this package has an `operator` of its own)
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import compress, repeat
 from typing import NamedTuple
 
 from ..common.errors import InvalidRequest
@@ -49,6 +51,9 @@ class SequenceInput(NamedTuple):  # a tuple: hundreds are built every step
     block_table: Sequence[int]  # covers positions [0, start_position + len(token_ids)); see HeldTables
     slot_mapping: Sequence[int]  # one cache slot per token
     sampling: SamplingParams | None = None  # None: no next token wanted (a non-final prefill chunk)
+
+
+ID_AND_TABLE = operator.itemgetter(0, 3)  # a SequenceInput's (seq_id, block_table)
 
 
 @dataclass(frozen=True)
@@ -115,11 +120,12 @@ class HeldTables:
         """The sender's side: for each sequence of a step, whether the executor holds this very table (tables
         are replaced, never changed in place, so the same object means the same table); those it does not
         hold are recorded as held from now on."""
+        if len(seq_ids) != len(tables):
+            raise ValueError(f"{len(seq_ids)} sequences, {len(tables)} tables")
         held = self.tables
-        mask = [held.get(seq_id) is table for seq_id, table in zip(seq_ids, tables, strict=True)]
-        for seq_id, table, is_held in zip(seq_ids, tables, mask, strict=True):
-            if not is_held:
-                held[seq_id] = table
+        mask = list(map(operator.is_, map(held.get, seq_ids), tables))  # in C: every sequence, every step
+        if not all(mask):
+            held.update(compress(zip(seq_ids, tables, strict=True), map(operator.not_, mask)))
         return mask
 
     def resolve(self, step: StepInput, held: Sequence[bool]) -> StepInput:
@@ -127,11 +133,18 @@ class HeldTables:
         Changes nothing: `commit` records the step's new tables."""
         if not any(held):
             return step
-        tables = self.tables
+        tables, seqs = self.tables, step.sequences
+        if len(held) != len(seqs):
+            raise InvalidRequest(f"table_held: {len(held)} entries for {len(seqs)} sequences (or none)")
         try:
-            sequences = [SequenceInput(s.seq_id, s.token_ids, s.start_position, tables[s.seq_id], s.slot_mapping,
-                                       s.sampling) if is_held else s
-                         for s, is_held in zip(step.sequences, held, strict=True)]
+            if all(held):  # the steady state: rows rebuilt from columns in C, every sequence, every step
+                seq_ids, token_ids, starts, _, slots, sampling = zip(*seqs, strict=True)
+                sequences = list(map(new_row, repeat(SequenceInput), zip(
+                    seq_ids, token_ids, starts, map(tables.__getitem__, seq_ids), slots, sampling, strict=True)))
+            else:
+                sequences = [SequenceInput(s.seq_id, s.token_ids, s.start_position, tables[s.seq_id], s.slot_mapping,
+                                           s.sampling) if is_held else s
+                             for s, is_held in zip(seqs, held, strict=True)]
         except KeyError:
             i, seq = next((i, s) for i, (s, h) in enumerate(zip(step.sequences, held, strict=True))
                           if h and s.seq_id not in tables)
@@ -140,8 +153,7 @@ class HeldTables:
         return replace(step, sequences=sequences)
 
     def commit(self, step: StepInput) -> None:
-        for seq in step.sequences:
-            self.tables[seq.seq_id] = seq.block_table
+        self.tables.update(map(ID_AND_TABLE, step.sequences))
         self.release(step.released_seq_ids)
 
 

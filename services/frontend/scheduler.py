@@ -30,6 +30,7 @@ scheduled again; one that finished between plan and apply is left out of the ste
 
 from __future__ import annotations
 
+import _operator as operator  # the standard library's (this package has an `operator` of its own)
 import itertools
 import time
 from collections import deque
@@ -54,6 +55,9 @@ from ..block_manager.step import (
 from ..executor.step_types import LAST_SAMPLED, SampledToken, SequenceInput, StepInput, new_row
 from .ports import BlockManagerPort, PendingAnswer
 from .request import FinishReason, Request, SeqStatus, SequenceOutput, SequenceState, StepOutput
+
+_SEQ_ID = operator.attrgetter("seq_id")
+_TOKEN_SEQ_ID = operator.itemgetter(0)  # SampledToken.seq_id
 
 
 @dataclass(frozen=True)
@@ -178,20 +182,25 @@ class Scheduler:
         decode_seqs: list[SequenceState] = []
         decode_tokens: list[int] = []
         free_estimate = self.stats.num_free_blocks - self._watermark_blocks()
-        for seq in self.running:
+        block_size = self.config.block_size
+        for seq in self.running:  # every running sequence, every step: the one-token case written out
             num_tokens = min(self._remaining(seq), budget)
             if num_tokens == 0:
                 continue
-            told = self._decode_token(seq) if num_tokens == 1 else None
-            if told is None and seq.num_computed + num_tokens > len(seq.token_ids):
+            if num_tokens == 1:
+                told = self._decode_token(seq)
+                if told is not None:
+                    budget -= 1
+                    # _blocks_needed(seq, 1) of a running sequence
+                    free_estimate -= max(0, -(-(seq.num_computed + 1) // block_size) - len(seq.block_table))
+                    decode_seqs.append(seq)
+                    decode_tokens.append(told)
+                    continue
+            if seq.num_computed + num_tokens > len(seq.token_ids):
                 continue  # no Decode (see _decode_token) and its input is still being sampled: next step
             budget -= num_tokens
             free_estimate -= self._blocks_needed(seq, num_tokens)
-            if told is not None:
-                decode_seqs.append(seq)
-                decode_tokens.append(told)
-            else:
-                routes += self._reserve(seq, num_tokens)
+            routes += self._reserve(seq, num_tokens)
         if decode_seqs:
             routes.append((DecodeOp([s.seq_id for s in decode_seqs], decode_tokens), decode_seqs))
         room = self.config.max_num_seqs - len(self.running)
@@ -257,22 +266,25 @@ class Scheduler:
                         seqs, told_tokens = [s for s, _ in kept], [t for _, t in kept]
                         self.starved = True
                     # the step's hot loop: every decoding sequence, every step (SequenceInput written out)
+                    finished, append_input, append_sampled = SeqStatus.FINISHED, inputs.append, sampled.append
                     for seq, told, slot in zip(seqs, told_tokens, outcome.slot_mapping, strict=True):
                         if told != NO_TOKEN:
                             seq.num_known_to_manager += 1
-                        if seq.status is SeqStatus.FINISHED:
+                        if seq.status is finished:
                             continue  # since the plan: its slot goes with its blocks at the next call
                         start, token_ids = seq.num_computed, seq.token_ids
                         num_known = len(token_ids)
                         seq.num_committed = start
-                        sample = start + 1 == num_known + seq.num_pending
-                        token = token_ids[start] if start < num_known else LAST_SAMPLED  # else: being sampled
-                        inputs.append(new_row(SequenceInput, (seq.seq_id, [token], start, seq.block_table, [slot],
-                                                              seq.sampling if sample else None)))
                         seq.num_computed = start + 1  # from here on, as far as planning goes, it is computed
-                        if sample:
+                        token = token_ids[start] if start < num_known else LAST_SAMPLED  # else: being sampled
+                        if start + 1 == num_known + seq.num_pending:  # its next token is wanted
                             seq.num_pending += 1
-                            sampled.append(seq)
+                            append_sampled(seq)
+                            append_input(new_row(SequenceInput, (seq.seq_id, [token], start, seq.block_table, [slot],
+                                                                 seq.sampling)))
+                        else:
+                            append_input(new_row(SequenceInput, (seq.seq_id, [token], start, seq.block_table, [slot],
+                                                                 None)))
                 case ReserveOp() if outcome.granted:
                     (seq,) = seqs
                     seq.num_known_to_manager = seq.num_computed + op.num_tokens
@@ -338,25 +350,27 @@ class Scheduler:
         """Records the step's sampled tokens; finishes sequences that hit a stop condition. A sequence that
         finished (or was aborted) after the step was sent drops its token: it is never streamed."""
         # Runs for every sequence every step, on the path that must fit in the executor's step time: one plain
-        # loop, limits looked up once per request.
+        # loop over the rows unpacked, limits looked up once per request.
         now = time.monotonic()
         outputs: dict[Request, StepOutput] = {}
         ended: list[Request] = []
         max_model_len = self.config.max_model_len
+        finished = SeqStatus.FINISHED
         if len(sampled) != len(step.sampled):
             raise RuntimeError(f"the executor sampled {len(sampled)} tokens for {len(step.sampled)} sequences")
-        for seq, token in zip(step.sampled, sampled, strict=False):  # lengths checked; in the step's order
-            if token.seq_id != seq.seq_id:
-                raise RuntimeError(f"the executor answered for sequence {token.seq_id}, not {seq.seq_id}")
+        if list(map(_TOKEN_SEQ_ID, sampled)) != list(map(_SEQ_ID, step.sampled)):  # in the step's order
+            token, seq = next((t, s) for t, s in zip(sampled, step.sampled, strict=True) if t.seq_id != s.seq_id)
+            raise RuntimeError(f"the executor answered for sequence {token.seq_id}, not {seq.seq_id}")
+        for seq, (_, token_id, logprob, top_ids, top_logprobs) in zip(step.sampled, sampled, strict=True):
             seq.num_pending -= 1
-            if seq.status is SeqStatus.FINISHED:
+            if seq.status is finished:
                 continue
             request = seq.request
-            token_id = token.token_id
-            seq.token_ids.append(token_id)
-            seq.logprobs.append(token.logprob)
+            token_ids = seq.token_ids
+            token_ids.append(token_id)
+            seq.logprobs.append(logprob)
             # () when none were asked for: the empty tuple is one object the collector never tracks
-            top = tuple(zip(token.top_token_ids, token.top_logprobs, strict=True)) if token.top_token_ids else ()
+            top = tuple(zip(top_ids, top_logprobs, strict=True)) if top_ids else ()
             seq.top_logprobs.append(top)
             metrics = request.metrics
             if metrics.first_token is None:
@@ -366,14 +380,14 @@ class Scheduler:
             if token_id in request.stop_ids:
                 self._finish(seq, FinishReason.STOP)
                 ended.append(request)
-            elif len(seq.token_ids) >= request.max_len or len(seq.token_ids) >= max_model_len:
+            elif len(token_ids) >= request.max_len or len(token_ids) >= max_model_len:
                 self._finish(seq, FinishReason.LENGTH)
                 ended.append(request)
             output = outputs.get(request)
             if output is None:
-                output = outputs[request] = StepOutput(request, [])
-            output.outputs.append(SequenceOutput(
-                seq.seq_id, seq.index, (token_id,), seq.finish_reason, (token.logprob,), (top,)))
+                output = outputs[request] = new_row(StepOutput, (request, []))
+            output.outputs.append(SequenceOutput(seq.seq_id, seq.index, (token_id,), seq.finish_reason, (logprob,),
+                                                 (top,)))
         for request in ended:
             self._forget_if_done(request)
         return list(outputs.values())
@@ -386,17 +400,14 @@ class Scheduler:
 
     # ---- helpers -------------------------------------------------------------------------------------
 
-    def _known_len(self, seq: SequenceState) -> int:
-        """Tokens known or being sampled."""
-        return len(seq.token_ids) + seq.num_pending
-
     def _target_len(self, seq: SequenceState) -> int:
         """Tokens to compute before sampling: an n > 1 parent stops short of its last prompt token; a sequence
-        whose pending tokens take it to its length limit computes nothing more."""
-        if seq.request.num_unforked > 0 and seq.index == 0:
+        whose pending tokens (being sampled) take it to its length limit computes nothing more."""
+        request, num_pending = seq.request, seq.num_pending
+        if request.num_unforked > 0 and seq.index == 0:
             return len(seq.token_ids) - 1
-        known = self._known_len(seq)
-        if seq.num_pending and (known >= seq.request.max_len or known >= self.config.max_model_len):
+        known = len(seq.token_ids) + num_pending
+        if num_pending and (known >= request.max_len or known >= self.config.max_model_len):
             return seq.num_computed
         return known
 
@@ -425,11 +436,11 @@ class Scheduler:
         or NO_TOKEN), or None when it cannot take the Decode fast path. A Decode tells at most one token, and
         leaves the sequence at most MAX_UNTOLD_SLOTS slots whose tokens are still being sampled (overlapped
         steps: plans run two steps ahead of the tokens)."""
-        known, computed = seq.num_known_to_manager, seq.num_computed
-        untold = seq.token_ids[known : computed + 1]
-        if len(untold) > 1 or computed + 1 - known - len(untold) > MAX_UNTOLD_SLOTS:
+        known, computed, token_ids = seq.num_known_to_manager, seq.num_computed, seq.token_ids
+        num_untold = max(0, min(len(token_ids), computed + 1) - known)  # len(token_ids[known : computed + 1])
+        if num_untold > 1 or computed + 1 - known - num_untold > MAX_UNTOLD_SLOTS:
             return None
-        return untold[0] if untold else NO_TOKEN
+        return token_ids[known] if num_untold else NO_TOKEN
 
     def _watermark_blocks(self) -> int:
         return int(self.stats.watermark * self.stats.num_total_blocks)
