@@ -71,6 +71,7 @@ class ExecuteRequest(_message.Message):
     RELEASED_SEQ_IDS_FIELD_NUMBER: _builtins.int
     TABLE_HELD_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    TABLE_KEPT_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Overlapped steps are numbered 1, 2, ... by the frontend, which sends step N+1 before step N has
     answered; a step that uses last-sampled tokens runs only after step_id - 1 (0: unnumbered).
@@ -163,6 +164,13 @@ class ExecuteRequest(_message.Message):
         block_size steps.
         """
 
+    @_builtins.property
+    def table_kept(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Empty, or one entry per sequence: for a table that follows (table_held false), how many leading
+        entries of the table this executor holds it keeps; its block_tables entries complete it. A growing
+        table sends its new blocks, not all of them (0: the table is sent whole).
+        """
+
     def __init__(
         self,
         *,
@@ -187,10 +195,11 @@ class ExecuteRequest(_message.Message):
         released_seq_ids: _abc.Iterable[_builtins.int] | None = ...,
         table_held: _abc.Iterable[_builtins.bool] | None = ...,
         traceparent: _builtins.str = ...,
+        table_kept: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table_lens", b"block_table_lens", "block_tables", b"block_tables", "copies", b"copies", "epoch", b"epoch", "num_tokens", b"num_tokens", "num_top_logprobs", b"num_top_logprobs", "released_seq_ids", b"released_seq_ids", "sample", b"sample", "seed", b"seed", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "start_positions", b"start_positions", "step_id", b"step_id", "swap_in", b"swap_in", "swap_out", b"swap_out", "table_held", b"table_held", "temperature", b"temperature", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table_lens", b"block_table_lens", "block_tables", b"block_tables", "copies", b"copies", "epoch", b"epoch", "num_tokens", b"num_tokens", "num_top_logprobs", b"num_top_logprobs", "released_seq_ids", b"released_seq_ids", "sample", b"sample", "seed", b"seed", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "start_positions", b"start_positions", "step_id", b"step_id", "swap_in", b"swap_in", "swap_out", b"swap_out", "table_held", b"table_held", "table_kept", b"table_kept", "temperature", b"temperature", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

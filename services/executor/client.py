@@ -14,19 +14,26 @@ from .step_types import ExecutorInfo, HeldTables, SampledToken, StepInput, new_r
 EXECUTE_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Executor'].full_name}/Execute"
 
 def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = None) -> pb.ExecuteRequest:
-    """`held`: the tables the executor holds; only the others are sent (and recorded as held from now on).
+    """`held`: the tables the executor holds; only the others are sent, a grown one as its new blocks (and recorded
+    as held from now on).
     Columns by transposing the sequences (zip(*...)): C loops, not one Python pass per field."""
     seqs = step.sequences
     seq_ids, token_lists, starts, tables, slot_lists, samplings = zip(*seqs, strict=True) if seqs else ((),) * 6
     table_held: Sequence[bool] = ()
+    table_kept: Sequence[int] = ()
     table_lens = list(map(len, tables))
     sent_tables: Iterable[Sequence[int]] = tables
     if held is not None:
-        table_held = held.sent(seq_ids, tables)
+        table_held, kept = held.sent(seq_ids, tables)
         held.release(step.released_seq_ids)
-        if any(table_held):  # a held table is not sent: length 0
+        if any(table_held) or any(kept):  # a held table is not sent (length 0); of a changed one, its new blocks
             not_held = list(map(operator.not_, table_held))
-            sent_tables, table_lens = compress(tables, not_held), list(map(operator.mul, table_lens, not_held))
+            table_lens = list(map(operator.mul, table_lens, not_held))
+            sent_tables = []
+            for i in compress(range(len(tables)), not_held):  # the few that changed
+                table_lens[i] -= kept[i]
+                sent_tables.append(tables[i][kept[i]:] if kept[i] else tables[i])
+            table_kept = kept if any(kept) else ()
     sampled = list(filter(None, samplings))  # the SamplingParams of those that sample (a tuple, never empty)
     temperature, top_k, top_p, seed, num_top_logprobs = zip(*sampled, strict=True) if sampled else ((),) * 5
     return pb.ExecuteRequest(
@@ -50,6 +57,7 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = Non
         epoch=epoch,
         released_seq_ids=step.released_seq_ids,
         table_held=table_held,
+        table_kept=table_kept,
     )
 
 

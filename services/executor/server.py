@@ -164,7 +164,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             step = step_from_proto(request)
             if request.epoch != self.epoch:  # UNAVAILABLE: to its sender this executor is lost (restarted, or reset)
                 raise NotReady(f"epoch: the step is of epoch {request.epoch}, the executor's is {self.epoch}")
-            step = self.tables.resolve(step, request.table_held)
+            step = self.tables.resolve(step, request.table_held, request.table_kept)
         except Exception as exc:
             return _failed(exc)
         self.tables.commit(step)

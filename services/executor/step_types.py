@@ -101,10 +101,11 @@ class LastSampled:
 
 class HeldTables:
     """The block tables a remote executor holds, so that a step names only the tables that changed (the
-    `table_held` field of ExecuteRequest). The frontend's side (`sent`) and the executor's (`resolve`, then
-    `commit` as the step is queued) follow the same rules: a table is held from a step sent (on the
-    executor's side: accepted, queued) until its sequence is released or the executor resets. A step that
-    fails voids the steps behind it, and the frontend fails its requests."""
+    `table_held` field of ExecuteRequest), and of a changed one only its new blocks (`table_kept`). The
+    frontend's side (`sent`) and the executor's (`resolve`, then `commit` as the step is queued) follow the
+    same rules: a table is held from a step sent (on the executor's side: accepted, queued) until its
+    sequence is released or the executor resets. A step that fails voids the steps behind it, and the
+    frontend fails its requests."""
 
     def __init__(self) -> None:
         self.tables: dict[int, Sequence[int]] = {}
@@ -116,45 +117,77 @@ class HeldTables:
         for seq_id in seq_ids:
             self.tables.pop(seq_id, None)
 
-    def sent(self, seq_ids: Sequence[int], tables: Sequence[Sequence[int]]) -> list[bool]:
+    def sent(self, seq_ids: Sequence[int], tables: Sequence[Sequence[int]]) -> tuple[list[bool], list[int]]:
         """The sender's side: for each sequence of a step, whether the executor holds this very table (tables
-        are replaced, never changed in place, so the same object means the same table); those it does not
-        hold are recorded as held from now on."""
+        are replaced, never changed in place, so the same object means the same table), and for one it does
+        not, how many leading entries of the table it holds the new one keeps (a decode's table grows by a
+        block, or its shared tail block is replaced by a copy); the new tables are held from now on."""
         if len(seq_ids) != len(tables):
             raise ValueError(f"{len(seq_ids)} sequences, {len(tables)} tables")
         held = self.tables
-        mask = list(map(operator.is_, map(held.get, seq_ids), tables))  # in C: every sequence, every step
+        before = list(map(held.get, seq_ids))
+        mask = list(map(operator.is_, before, tables))  # in C: every sequence, every step
+        kept = [0] * len(mask)
         if not all(mask):
-            held.update(compress(zip(seq_ids, tables, strict=True), map(operator.not_, mask)))
-        return mask
+            for i in compress(range(len(mask)), map(operator.not_, mask)):  # the few that changed
+                kept[i] = _kept(before[i], tables[i])
+                held[seq_ids[i]] = tables[i]
+        return mask, kept
 
-    def resolve(self, step: StepInput, held: Sequence[bool]) -> StepInput:
-        """The executor's side: the step with every held table filled in (InvalidRequest if one is not held).
+    def resolve(self, step: StepInput, held: Sequence[bool], kept: Sequence[int] = ()) -> StepInput:
+        """The executor's side: the step with every held table filled in, and every kept prefix put back in
+        front of the blocks sent (InvalidRequest for a table not held, or shorter than its kept prefix).
         Changes nothing: `commit` records the step's new tables."""
-        if not any(held):
-            return step
         tables, seqs = self.tables, step.sequences
-        if len(held) != len(seqs):
+        if held and len(held) != len(seqs):
             raise InvalidRequest(f"table_held: {len(held)} entries for {len(seqs)} sequences (or none)")
+        if kept and len(kept) != len(seqs):
+            raise InvalidRequest(f"table_kept: {len(kept)} entries for {len(seqs)} sequences (or none)")
+        if not any(held) and not any(kept):
+            return step
         try:
             if all(held):  # the steady state: rows rebuilt from columns in C, every sequence, every step
                 seq_ids, token_ids, starts, _, slots, sampling = zip(*seqs, strict=True)
                 sequences = list(map(new_row, repeat(SequenceInput), zip(
                     seq_ids, token_ids, starts, map(tables.__getitem__, seq_ids), slots, sampling, strict=True)))
             else:
-                sequences = [SequenceInput(s.seq_id, s.token_ids, s.start_position, tables[s.seq_id], s.slot_mapping,
-                                           s.sampling) if is_held else s
-                             for s, is_held in zip(seqs, held, strict=True)]
+                sequences = list(seqs)
+                for i in compress(range(len(seqs)), held):
+                    s = seqs[i]
+                    sequences[i] = s._replace(block_table=tables[s.seq_id])
+            for i in compress(range(len(seqs)), kept):  # a changed table's kept prefix
+                s = sequences[i]
+                if held and held[i]:
+                    raise InvalidRequest(f"table_kept[{i}]: {kept[i]} for a table the executor holds (table_held):"
+                                         " must be 0")
+                prefix = tables[s.seq_id]
+                if kept[i] > len(prefix):
+                    raise InvalidRequest(f"table_kept[{i}]: {kept[i]} entries of a held table of {len(prefix)}")
+                sequences[i] = s._replace(block_table=[*prefix[: kept[i]], *s.block_table])
         except KeyError:
-            i, seq = next((i, s) for i, (s, h) in enumerate(zip(step.sequences, held, strict=True))
-                          if h and s.seq_id not in tables)
-            raise InvalidRequest(f"table_held[{i}]: this executor holds no block table for sequence {seq.seq_id}"
+            i, seq = next((i, s) for i, s in enumerate(seqs) if ((held and held[i]) or (kept and kept[i]))
+                          and s.seq_id not in tables)
+            field_name = "table_held" if held and held[i] else "table_kept"
+            raise InvalidRequest(f"{field_name}[{i}]: this executor holds no block table for sequence {seq.seq_id}"
                                  " (send it)") from None
         return replace(step, sequences=sequences)
 
     def commit(self, step: StepInput) -> None:
         self.tables.update(map(ID_AND_TABLE, step.sequences))
         self.release(step.released_seq_ids)
+
+
+def _kept(before: Sequence[int] | None, table: Sequence[int]) -> int:
+    """How many leading entries of `before` (the table held) `table` starts with: all of them (it grew), all but
+    the last (its tail block was copied on write), or none (sent whole). Each comparison is one pass in C."""
+    if not before:
+        return 0
+    n = len(before)
+    if len(table) >= n and table[:n] == before:
+        return n
+    if len(table) >= n - 1 and table[: n - 1] == before[: n - 1]:
+        return n - 1
+    return 0
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,25 @@ def test_a_held_block_table_is_used_until_released_or_reset(stub: OneStepStub) -
     assert reset.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "holds no block table" in reset.value.details()
 
 
+def test_a_grown_table_sends_only_its_new_blocks(stub: OneStepStub) -> None:
+    """A decode's table that grew by a block (or had its tail copied on write) goes as the blocks it adds to the
+    table the executor holds (`table_kept`), and runs as the whole table would."""
+    sender, prompt, table = HeldTables(), [5, 17, 42, 8, 9, 60, 3, 11], [12, 13]  # two full blocks of 4
+    token = tokens(stub.Execute(step_to_proto(StepInput([seq_step(43, prompt, 0, table)]), held=sender)))[0].token_id
+    grown = [*table, 14]  # position 8 starts a third block
+    delta = step_to_proto(StepInput([seq_step(43, [token], 8, grown)]), held=sender)
+    assert (list(delta.table_held), list(delta.table_kept)) == ([False], [2])
+    assert (list(delta.block_table_lens), list(delta.block_tables)) == ([1], [14])
+    by_delta = tokens(stub.Execute(delta))[0]
+    whole = tokens(stub.Execute(step(seq_step(43, [token], 8, list(grown)))))[0]
+    assert by_delta.token_id == whole.token_id and by_delta.logprob == pytest.approx(whole.logprob, abs=1e-6)
+    copied = [12, 13, 15]  # the tail block replaced (copy-on-write): two entries kept, one new
+    again = step_to_proto(StepInput([seq_step(43, [token], 8, copied)]), held=sender)
+    assert (list(again.table_kept), list(again.block_tables)) == ([2], [15])
+    stub.Execute(again)
+    stub.Execute(step_to_proto(StepInput([], released_seq_ids=[43]), held=sender))
+
+
 def test_overlapped_steps_feed_the_tokens_they_sampled_forward(stub: OneStepStub) -> None:
     """Steps 42 and 43 are sent on one stream with step 41, before it answers, each with LAST_SAMPLED (-1) as its
     input: the executor runs them in order and gives the tokens that serial steps with known inputs give."""
@@ -188,6 +207,12 @@ BAD = [
     (pb.ExecuteRequest(seq_ids=[1], num_tokens=[1], start_positions=[0], block_table_lens=[1], sample=[False],
                        token_ids=[5], slot_mapping=[0], block_tables=[0], table_held=[True]),
      "block_table_lens[0]: 1 blocks for a table the executor holds"),
+    (pb.ExecuteRequest(seq_ids=[1], num_tokens=[1], start_positions=[0], block_table_lens=[1], sample=[False],
+                       token_ids=[5], slot_mapping=[0], block_tables=[0], table_kept=[1, 1]),
+     "table_kept: 2 entries for 1 sequences"),
+    (pb.ExecuteRequest(seq_ids=[987654], num_tokens=[1], start_positions=[0], block_table_lens=[1], sample=[False],
+                       token_ids=[5], slot_mapping=[0], block_tables=[0], table_kept=[1]),
+     "table_kept[0]: this executor holds no block table for sequence 987654"),
 ]
 
 

@@ -39,8 +39,13 @@ def steps(draw: st.DrawFn) -> list[StepInput]:
                 released.append(seq_id)
                 del tables[seq_id]
                 continue
-            if draw(st.booleans()):
+            change = draw(st.sampled_from(["none", "grow", "copy tail", "replace"]))
+            if change == "grow":
                 tables[seq_id] = tables[seq_id] + draw(st.lists(st.integers(0, 999), min_size=1, max_size=2))
+            elif change == "copy tail":
+                tables[seq_id] = tables[seq_id][:-1] + [draw(st.integers(0, 999))]
+            elif change == "replace":
+                tables[seq_id] = draw(st.lists(st.integers(0, 999), max_size=6))
             decode = draw(st.booleans())
             tokens = [draw(st.sampled_from([LAST_SAMPLED, 7]))] if decode else draw(
                 st.lists(st.integers(0, 4000), min_size=1, max_size=5))
@@ -63,7 +68,7 @@ def test_the_executor_runs_the_step_the_frontend_sent(run: list[StepInput]) -> N
     sent: dict[int, object] = {}  # the table object each sequence last sent
     for step in run:
         request = pb.ExecuteRequest.FromString(step_to_proto(step, 3, sender).SerializeToString())
-        received = receiver.resolve(step_from_proto(request), list(request.table_held))
+        received = receiver.resolve(step_from_proto(request), list(request.table_held), list(request.table_kept))
         receiver.commit(received)
         assert as_lists(received) == as_lists(step)
         assert (received.step_id, list(received.released_seq_ids)) == (step.step_id, list(step.released_seq_ids))
@@ -72,6 +77,21 @@ def test_the_executor_runs_the_step_the_frontend_sent(run: list[StepInput]) -> N
         assert list(request.table_held) == [sent.get(s.seq_id) is s.block_table for s in step.sequences]
         assert [n == 0 for n, held in zip(request.block_table_lens, request.table_held, strict=True) if held] == \
             [True] * sum(request.table_held)
+        # a changed table goes as what follows the longest prefix it keeps of the one sent before: all of it, all
+        # but its tail block, or nothing
+        kept = list(request.table_kept) or [0] * len(step.sequences)
+        for s, held, k, n in zip(step.sequences, request.table_held, kept, request.block_table_lens, strict=True):
+            before = list(sent.get(s.seq_id) or [])
+            if held:
+                assert k == 0
+                continue
+            if before and s.block_table[: len(before)] == before:
+                assert k == len(before)
+            elif len(before) > 1 and s.block_table[: len(before) - 1] == before[:-1]:
+                assert k == len(before) - 1
+            else:
+                assert k == 0
+            assert n == len(s.block_table) - k
         sent.update({s.seq_id: s.block_table for s in step.sequences})
         for seq_id in step.released_seq_ids:
             sent.pop(seq_id, None)
