@@ -145,31 +145,31 @@ class HeldTables:
             raise InvalidRequest(f"table_kept: {len(kept)} entries for {len(seqs)} sequences (or none)")
         if not any(held) and not any(kept):
             return step
+        # by columns (rows rebuilt in C): every sequence, every step
+        seq_ids, token_ids, starts, block_tables, slots, sampling = zip(*seqs, strict=True)
         try:
-            if all(held):  # the steady state: rows rebuilt from columns in C, every sequence, every step
-                seq_ids, token_ids, starts, _, slots, sampling = zip(*seqs, strict=True)
-                sequences = list(map(new_row, repeat(SequenceInput), zip(
-                    seq_ids, token_ids, starts, map(tables.__getitem__, seq_ids), slots, sampling, strict=True)))
+            if held and all(held):  # the steady state
+                filled = list(map(tables.__getitem__, seq_ids))
             else:
-                sequences = list(seqs)
+                filled = list(block_tables)
                 for i in compress(range(len(seqs)), held):
-                    s = seqs[i]
-                    sequences[i] = s._replace(block_table=tables[s.seq_id])
+                    filled[i] = tables[seq_ids[i]]
             for i in compress(range(len(seqs)), kept):  # a changed table's kept prefix
-                s = sequences[i]
                 if held and held[i]:
                     raise InvalidRequest(f"table_kept[{i}]: {kept[i]} for a table the executor holds (table_held):"
                                          " must be 0")
-                prefix = tables[s.seq_id]
+                prefix = tables[seq_ids[i]]
                 if kept[i] > len(prefix):
                     raise InvalidRequest(f"table_kept[{i}]: {kept[i]} entries of a held table of {len(prefix)}")
-                sequences[i] = s._replace(block_table=[*prefix[: kept[i]], *s.block_table])
+                filled[i] = [*prefix[: kept[i]], *block_tables[i]]
         except KeyError:
-            i, seq = next((i, s) for i, s in enumerate(seqs) if ((held and held[i]) or (kept and kept[i]))
-                          and s.seq_id not in tables)
+            i = next(i for i, seq_id in enumerate(seq_ids) if ((held and held[i]) or (kept and kept[i]))
+                     and seq_id not in tables)
             field_name = "table_held" if held and held[i] else "table_kept"
-            raise InvalidRequest(f"{field_name}[{i}]: this executor holds no block table for sequence {seq.seq_id}"
+            raise InvalidRequest(f"{field_name}[{i}]: this executor holds no block table for sequence {seq_ids[i]}"
                                  " (send it)") from None
+        sequences = list(map(new_row, repeat(SequenceInput), zip(
+            seq_ids, token_ids, starts, filled, slots, sampling, strict=True)))
         return replace(step, sequences=sequences)
 
     def commit(self, step: StepInput) -> None:

@@ -107,3 +107,13 @@ def test_sampled_tokens_come_back_as_sampled(rows: list[tuple[int, int, float, l
         [(t.seq_id, t.token_id, t.top_token_ids) for t in tokens]
     for got, sent in zip(back, tokens, strict=True):  # floats travel as float32
         assert abs(got.logprob - sent.logprob) <= 1e-5 * max(1.0, abs(sent.logprob))
+
+
+def test_a_kept_prefix_without_held_tables_touches_only_its_sequence() -> None:
+    """`table_kept` alone (no `table_held`): the sequence with a kept count gets the held prefix in front of its
+    blocks; one with 0 keeps its own table, held or not."""
+    receiver = HeldTables()
+    receiver.tables = {1: [10, 11, 12]}
+    step = StepInput([SequenceInput(1, [5], 12, [13], [52], None), SequenceInput(2, [6], 0, [20], [80], None)])
+    resolved = receiver.resolve(step, (), [3, 0])
+    assert [list(s.block_table) for s in resolved.sequences] == [[10, 11, 12, 13], [20]]
