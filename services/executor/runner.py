@@ -24,9 +24,9 @@ from .model.config import ModelConfig
 from .model.llama import KVCache, LlamaForCausalLM, Metadata
 from .sampling import sample
 from .step_types import (
-    ID_AND_TABLE,
     LAST_SAMPLED,
     MAX_TOP_LOGPROBS,
+    HeldTables,
     LastSampled,
     SampledToken,
     SequenceInput,
@@ -83,8 +83,9 @@ class ModelRunner:
         # Overlapped steps: the tokens the last step sampled, the next step's inputs where it says LAST_SAMPLED.
         self.last_sampled = LastSampled()
         # Each sequence's block table whose ids were checked, by object: tables are replaced, never changed in
-        # place (the scheduler's, and those a server holds), so a step checks only the tables that changed.
-        self._checked_tables: dict[int, Sequence[int]] = {}
+        # place (the scheduler's, and those a server holds), so a step checks only the tables that changed. Kept
+        # by the rules of the tables a server holds: recorded per valid step, forgotten at a release or reset.
+        self._checked_tables = HeldTables()
         # The torch path plans the decodes' cache reads once per step (block_size, num_kv_heads, num_heads).
         self._gather_geometry = (block_size, config.num_kv_heads, config.num_heads) if backend.name == "torch" else None
         self._logits = torch.empty(0, config.vocab_size, device=self.device)
@@ -92,13 +93,13 @@ class ModelRunner:
     def reset(self) -> None:
         """Forgets every step and sequence (the frontend starts over; its block manager is empty too)."""
         self.last_sampled.clear()
-        self._checked_tables = {}
+        self._checked_tables.clear()
         if self.sequence_kv is not None:
             self.sequence_kv.reset()
 
     def validate(self, step: StepInput) -> None:
         """Raises InvalidRequest naming the field; nothing has changed when it does."""
-        vocab, bs, checked = self.config.vocab_size, self.block_size, self._checked_tables
+        vocab, bs, checked = self.config.vocab_size, self.block_size, self._checked_tables.tables
         seen = set()
         for i, seq in enumerate(step.sequences):
             at = f"sequences[{i}]"
@@ -150,9 +151,7 @@ class ModelRunner:
             for j, (src, dst) in enumerate(pairs):
                 if not (0 <= src < src_limit and 0 <= dst < dst_limit):
                     raise InvalidRequest(f"{name}[{j}]: block ({src} -> {dst}) outside the cache")
-        checked.update(map(ID_AND_TABLE, step.sequences))  # the step is valid: its tables are checked
-        for seq_id in step.released_seq_ids:
-            checked.pop(seq_id, None)
+        self._checked_tables.commit(step)  # the step is valid: its tables are checked
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> list[SampledToken]:

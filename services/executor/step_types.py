@@ -53,7 +53,7 @@ class SequenceInput(NamedTuple):  # a tuple: hundreds are built every step
     sampling: SamplingParams | None = None  # None: no next token wanted (a non-final prefill chunk)
 
 
-ID_AND_TABLE = operator.itemgetter(0, 3)  # a SequenceInput's (seq_id, block_table)
+_ID_AND_TABLE = operator.itemgetter(0, 3)  # a SequenceInput's (seq_id, block_table)
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ class HeldTables:
         return replace(step, sequences=sequences)
 
     def commit(self, step: StepInput) -> None:
-        self.tables.update(map(ID_AND_TABLE, step.sequences))
+        self.tables.update(map(_ID_AND_TABLE, step.sequences))
         self.release(step.released_seq_ids)
 
 

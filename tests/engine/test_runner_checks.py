@@ -44,12 +44,12 @@ def test_release_and_reset_forget_the_checked_tables(runner: ModelRunner) -> Non
     runner.reset()
     table = [4, 5]
     runner.execute(decode(2, 0, table))
-    assert runner._checked_tables == {2: table}
+    assert runner._checked_tables.tables == {2: table}
     runner.execute(StepInput([], released_seq_ids=[2]))
-    assert runner._checked_tables == {}
+    assert runner._checked_tables.tables == {}
     runner.execute(decode(3, 0, table))
     runner.reset()
-    assert runner._checked_tables == {}
+    assert runner._checked_tables.tables == {}
     table.append(99)  # changed in place, against the contract: a reset runner checks it again all the same
     with pytest.raises(InvalidRequest, match="block_table: 99 outside"):
         runner.execute(decode(3, 0, table))

@@ -85,7 +85,7 @@ def decode_forward(
                          threads)
         qkv = matmul(normed, attention.qkv_proj)
         check_status(decode_attention(qkv.data_ptr(), qkv_width, *rope_args, k_cache.data_ptr(), v_cache.data_ptr(),
-                                num_blocks, block_size, *batch_args))
+                                      num_blocks, block_size, *batch_args))
         out = matmul(attended, attention.o_proj)
         norm = layer.post_attention_layernorm
         add_rms_norm(x_ptr, out.data_ptr(), hidden, norm.weight.data_ptr(), normed_ptr, n, hidden, norm.eps, threads)
