@@ -5,8 +5,10 @@
  * there are fewer sequences than threads), dealt round robin, so each thread knows its next task: while it
  * computes one, it prefetches the next one's key and value rows into L2, spread evenly over its work. Reading
  * the cache is most of the time (it is cold: every layer's cache is read once a step), and a task's compute
- * is the lead time that hides its latency. Within a task, per query head: the scores over all positions
- * (each key row read from L2, the query in registers), a softmax, then the values summed in registers.
+ * is the lead time that hides its latency. Within a task, per KV head and the (up to four) query heads that
+ * share it: their scores over all positions (each key vector loaded once for all of them), a softmax per
+ * head, then their values summed in registers (each value vector loaded once). A query head's arithmetic is
+ * the same whichever heads share its pass, so its result does not depend on the grouping.
  * The torch path instead copies the keys into a padded batch and reads the values through embedding_bag.
  *
  * Memory safety is checked here, not trusted to the caller: a block id outside the cache or a length past
@@ -87,12 +89,12 @@ static inline void prefetch_ahead(Ahead *ahead, const float *k_cache, const floa
     }
 }
 
-/* Everything one query head of a task reads: its KV head's rows, and what to prefetch meanwhile. */
+/* Everything the query heads of one KV head read: that KV head's rows, and what to prefetch meanwhile. */
 typedef struct {
     const float *k_cache, *v_cache;
     const int64_t *rows; /* each position's row offset, at the task's first KV head */
     int64_t len, head, width, num_blocks, block_size, row_len, head_dim;
-    int first;           /* the task's first query head: prefetch its own rows a few positions ahead */
+    int first;           /* the task's first pass: prefetch its own rows a few positions ahead */
     Ahead *ahead;
 } HeadPass;
 
@@ -104,22 +106,43 @@ static inline void prefetch_step(const HeadPass *h, int64_t t) {
     prefetch_ahead(h->ahead, h->k_cache, h->v_cache, h->num_blocks, h->block_size, h->row_len, h->width);
 }
 
-/* p[t] = scale * q . k[t], the query in registers */
-static inline void scores_in_registers(const HeadPass *h, const float *q, float scale, float *p) {
+/* At most this many query heads share one pass over their KV head's rows (GQA): each key and value vector is
+   loaded once for all of them, and their chains of multiply-adds run side by side. */
+#define MAX_GROUP 4
+
+/* p[g * len + t] = q_g . k[t] for the `G` query heads of one KV head, each head's query already scaled, in
+   `qs` [G][head_dim]. `G` is a constant at each call (see scores_group), so the sums stay in registers. Each
+   head's arithmetic is the one-head loop's: two chains (even and odd vectors), summed at the end. */
+static inline __attribute__((always_inline)) void scores_heads(const HeadPass *h, const float *qs, float *p,
+                                                               const int G) {
     const int64_t vectors = h->head_dim / LANES;
-    vec qv[MAX_VECTORS];
-    for (int64_t c = 0; c < vectors; c++) qv[c] = load(q + LANES * c) * scale;
     for (int64_t t = 0; t < h->len; t++) {
         prefetch_step(h, t);
         const float *k = h->k_cache + h->rows[t] + h->head;
-        vec even = {0}, odd = {0}; /* two chains of multiply-adds, summed at the end */
+        vec even[MAX_GROUP], odd[MAX_GROUP];
+        for (int g = 0; g < G; g++) even[g] = odd[g] = (vec){0};
         int64_t c = 0;
         for (; c + 1 < vectors; c += 2) {
-            even += qv[c] * load(k + LANES * c);
-            odd += qv[c + 1] * load(k + LANES * (c + 1));
+            const vec k0 = load(k + LANES * c), k1 = load(k + LANES * (c + 1));
+            for (int g = 0; g < G; g++) {
+                even[g] += load(qs + g * h->head_dim + LANES * c) * k0;
+                odd[g] += load(qs + g * h->head_dim + LANES * (c + 1)) * k1;
+            }
         }
-        if (c < vectors) even += qv[c] * load(k + LANES * c);
-        p[t] = sum_lanes(even + odd);
+        if (c < vectors) {
+            const vec k0 = load(k + LANES * c);
+            for (int g = 0; g < G; g++) even[g] += load(qs + g * h->head_dim + LANES * c) * k0;
+        }
+        for (int g = 0; g < G; g++) p[g * h->len + t] = sum_lanes(even[g] + odd[g]);
+    }
+}
+
+static inline void scores_group(const HeadPass *h, const float *qs, float *p, int G) {
+    switch (G) {
+    case 1: scores_heads(h, qs, p, 1); break;
+    case 2: scores_heads(h, qs, p, 2); break;
+    case 3: scores_heads(h, qs, p, 3); break;
+    default: scores_heads(h, qs, p, 4); break;
     }
 }
 
@@ -134,28 +157,44 @@ static inline void scores_plain(const HeadPass *h, const float *q, float scale, 
     }
 }
 
-/* out[c..c+n) = sum_t p[t] v[t][c..c+n) * inverse for `n` vectors from vector c: `n` is a constant at each call,
-   so the loops unroll and the sums stay in registers (with a count known only at run time, GCC kept them in
-   memory: a load, multiply-add and store per vector and position, each position waiting on the last's store) */
-static inline __attribute__((always_inline)) void values_block(const HeadPass *h, const float *p, float inverse,
-                                                               float *out, int64_t c, int n) {
-    vec acc[8];
-    for (int i = 0; i < n; i++) acc[i] = (vec){0};
+/* out_g[c..c+n) = sum_t p_g[t] v[t][c..c+n) * inverse_g for the `G` query heads of one KV head, `n` vectors from
+   vector c: `G` and `n` are constants at each call, so the loops unroll and the sums stay in registers (with a
+   count known only at run time, GCC kept them in memory: a load, multiply-add and store per vector and position,
+   each position waiting on the last's store). Each value vector is loaded once for all `G` heads. */
+static inline __attribute__((always_inline)) void values_block(const HeadPass *h, const float *p, const float *inverse,
+                                                               float *out, int64_t c, const int G, const int n) {
+    vec acc[MAX_GROUP][8];
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < n; i++) acc[g][i] = (vec){0};
     for (int64_t t = 0; t < h->len; t++) {
-        const float *v = h->v_cache + h->rows[t] + h->head + LANES * c, w = p[t];
-        for (int i = 0; i < n; i++) acc[i] += w * load(v + LANES * i);
+        const float *v = h->v_cache + h->rows[t] + h->head + LANES * c;
+        for (int i = 0; i < n; i++) {
+            const vec value = load(v + LANES * i);
+            for (int g = 0; g < G; g++) acc[g][i] += p[g * h->len + t] * value;
+        }
     }
-    for (int i = 0; i < n; i++) store(out + LANES * (c + i), acc[i] * inverse);
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < n; i++) store(out + g * h->head_dim + LANES * (c + i), acc[g][i] * inverse[g]);
 }
 
-/* out = sum_t p[t] v[t] * inverse, the sums in registers: blocks of eight vectors (AVX2's 16 registers hold
-   eight sums and the loads), then four, then one */
-static inline void values_in_registers(const HeadPass *h, const float *p, float inverse, float *out) {
+/* The values of `G` heads in blocks of as many vectors as leave the sums in registers (AVX2's 16: eight sums
+   for one head, four for two or three heads, two for four), then one vector at a time. */
+static inline __attribute__((always_inline)) void values_heads(const HeadPass *h, const float *p, const float *inverse,
+                                                               float *out, const int G) {
     const int64_t vectors = h->head_dim / LANES;
+    const int wide = G == 1 ? 8 : G == 4 ? 2 : 4;
     int64_t c = 0;
-    for (; c + 8 <= vectors; c += 8) values_block(h, p, inverse, out, c, 8);
-    for (; c + 4 <= vectors; c += 4) values_block(h, p, inverse, out, c, 4);
-    for (; c < vectors; c++) values_block(h, p, inverse, out, c, 1);
+    for (; c + wide <= vectors; c += wide) values_block(h, p, inverse, out, c, G, wide);
+    for (; c < vectors; c++) values_block(h, p, inverse, out, c, G, 1);
+}
+
+static inline void values_group(const HeadPass *h, const float *p, const float *inverse, float *out, int G) {
+    switch (G) {
+    case 1: values_heads(h, p, inverse, out, 1); break;
+    case 2: values_heads(h, p, inverse, out, 2); break;
+    case 3: values_heads(h, p, inverse, out, 3); break;
+    default: values_heads(h, p, inverse, out, 4); break;
+    }
 }
 
 static inline void values_plain(const HeadPass *h, const float *p, float inverse, float *out) {
@@ -166,6 +205,19 @@ static inline void values_plain(const HeadPass *h, const float *p, float inverse
         for (int64_t d = 0; d < h->head_dim; d++) out[d] += w * v[d];
     }
     for (int64_t d = 0; d < h->head_dim; d++) out[d] *= inverse;
+}
+
+/* p = exp(p - max p) in place; returns 1 / their sum */
+static inline float softmax_in_place(float *p, int64_t len) {
+    float top = p[0], sum = 0.f;
+#pragma omp simd reduction(max : top)
+    for (int64_t t = 1; t < len; t++) top = p[t] > top ? p[t] : top;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; t++) {
+        p[t] = exp_nonpositive(p[t] - top);
+        sum += p[t];
+    }
+    return 1.f / sum;
 }
 
 int paged_decode_attention_f32(
@@ -194,7 +246,8 @@ int paged_decode_attention_f32(
     int status = OK;
 #pragma omp parallel num_threads(team)
     {
-        float *scores = malloc(sizeof(float) * (size_t)max_len); /* one query head's, then the next's */
+        float *scores = malloc(sizeof(float) * (size_t)(MAX_GROUP * max_len)); /* a pass's query heads' */
+        float scaled[MAX_GROUP * LANES * MAX_VECTORS]; /* their queries, times the scale */
         int64_t *rows = malloc(sizeof(int64_t) * (size_t)max_len); /* each position's row offset in the cache */
         const int have_memory = scores && rows;
         if (!have_memory) {
@@ -226,7 +279,10 @@ int paged_decode_attention_f32(
                 status = BAD_BLOCK;
                 continue;
             }
-            Ahead ahead = {block_tables, 0, 0, nq * len, 0, 0};
+            /* one pass over the task's rows per KV head and group of up to MAX_GROUP query heads (per query head
+               where the head dim is not held in registers): the prefetcher spreads the next task over them */
+            const int64_t passes = in_registers ? heads_per_task * ((group + MAX_GROUP - 1) / MAX_GROUP) : nq;
+            Ahead ahead = {block_tables, 0, 0, passes * len, 0, 0};
             if (task + stride < num_tasks) {
                 const int64_t next = task + stride, s_next = next / tasks_per_seq;
                 ahead.table = block_tables + s_next * max_blocks;
@@ -234,26 +290,26 @@ int paged_decode_attention_f32(
                 ahead.head_offset = next % tasks_per_seq * heads_per_task * head_dim;
             }
             const float *qs = q + s * q_seq_stride + h0 * group * head_dim;
-            for (int64_t hq = 0; hq < nq; hq++) {
+            for (int64_t hq = 0; hq < nq;) {
+                const int64_t left_in_group = group - hq % group;
+                const int G = in_registers ? (int)(left_in_group < MAX_GROUP ? left_in_group : MAX_GROUP) : 1;
                 const HeadPass h = {k_cache, v_cache, rows, len, (hq / group) * head_dim, width, num_blocks,
                                     block_size, row_len, head_dim, hq == 0, &ahead};
-                float *p = scores;
-                if (in_registers)
-                    scores_in_registers(&h, qs + hq * head_dim, scale, p);
-                else
-                    scores_plain(&h, qs + hq * head_dim, scale, p);
-                float top = p[0], sum = 0.f;
-#pragma omp simd reduction(max : top)
-                for (int64_t t = 1; t < len; t++) top = p[t] > top ? p[t] : top;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < len; t++) {
-                    p[t] = exp_nonpositive(p[t] - top);
-                    sum += p[t];
+                float inverse[MAX_GROUP];
+                if (in_registers) {
+                    for (int g = 0; g < G; g++) /* the queries, scaled once */
+                        for (int64_t c = 0; c < head_dim; c += LANES)
+                            store(scaled + g * head_dim + c, load(qs + (hq + g) * head_dim + c) * scale);
+                    scores_group(&h, scaled, scores, G);
+                } else {
+                    scores_plain(&h, qs + hq * head_dim, scale, scores);
                 }
+                for (int g = 0; g < G; g++) inverse[g] = softmax_in_place(scores + g * len, len);
                 if (in_registers)
-                    values_in_registers(&h, p, 1.f / sum, o + hq * head_dim);
+                    values_group(&h, scores, inverse, o + hq * head_dim, G);
                 else
-                    values_plain(&h, p, 1.f / sum, o + hq * head_dim);
+                    values_plain(&h, scores, inverse[0], o + hq * head_dim);
+                hq += G;
             }
         }
         free(scores);

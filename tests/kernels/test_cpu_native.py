@@ -69,7 +69,9 @@ def _loop_lines(lines: list[str], first: int) -> range:
         (3, 64, 16, [80, 3, 0, 33]),  # SmolLM2's 9 query / 3 KV heads; an empty sequence attends to nothing
         (4, 32, 8, [9, 1, 64]),
         (2, 128, 32, [100, 31]),
-        (8, 16, 1, [5, 2]),
+        (8, 16, 1, [5, 2]),  # two passes of four query heads per KV head
+        (7, 64, 16, [50, 18]),  # passes of four and three query heads
+        (5, 24, 8, [19, 4]),  # four and one; AVX2: three single vectors per head
         (2, 20, 16, [30, 7]),  # not a multiple of the vector width: the plain loops
         (1, 24, 16, [40, 2]),  # a multiple of AVX2's 8 floats, not AVX-512's 16
         (1, 48, 16, [23, 5]),  # AVX2: the values summed as a block of four vectors, then two of one
