@@ -17,6 +17,7 @@ from model_testing import PagedRunner, hf_logits, make_hf_model, prefill_logits,
 
 from pagedserve.kernels import get_backend
 from pagedserve.services.executor.model import ModelConfig, RopeScaling, load_model
+from pagedserve.services.executor.model.gguf_file import GGUFFile
 from pagedserve.services.executor.model.gguf_loader import dequantize_tensor, unpermute_rope_rows
 
 # Tolerance against the original values, as a fraction of the tensor's largest |value|: a half step of
@@ -40,7 +41,7 @@ def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]], 
 def test_dequantize_tensor(qtype: Q, tmp_path: Path) -> None:
     original = np.random.default_rng(0).normal(size=(3, 96)).astype(np.float32)  # 3 rows of 3 blocks of 32
     write_gguf(tmp_path / "t.gguf", "llama", {"w": (original, qtype)}, {})
-    (tensor,) = gguf.GGUFReader(tmp_path / "t.gguf").tensors
+    (tensor,) = GGUFFile(tmp_path / "t.gguf").tensors
     ours = dequantize_tensor(tensor)
     assert ours.dtype == torch.float32 and ours.shape == (3, 96)
     reference = gguf.quants.dequantize(gguf.quants.quantize(original, qtype), qtype).reshape(3, 96)

@@ -7,9 +7,11 @@ other than default / linear / llama3) instead of silently computing something el
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from gguf import GGUFReader
+if TYPE_CHECKING:
+    from .gguf_file import GGUFFile
+
 
 RopeType = Literal["linear", "llama3"]
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -104,45 +106,46 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, reader: GGUFReader) -> ModelConfig:
+    def from_gguf_metadata(cls, gguf: GGUFFile) -> ModelConfig:
         """From the metadata (and the tensor list, for biases and tied embeddings) of a GGUF file."""
-        arch = _field(reader, "general.architecture")
+        metadata = gguf.metadata
+        arch = _field(metadata, "general.architecture")
         if arch not in SUPPORTED_GGUF_ARCHITECTURES:
             raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_GGUF_ARCHITECTURES}")
-        tensor_names = {t.name for t in reader.tensors}
+        tensor_names = gguf.tensor_names()
         if "rope_freqs.weight" in tensor_names:
             # llama.cpp stores llama3 RoPE scaling as per-frequency factors, not as metadata.
             raise ValueError("GGUF files with rope_freqs (llama3 RoPE scaling) are not supported")
-        hidden = int(_field(reader, f"{arch}.embedding_length"))
-        num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-        head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
-        if int(_field(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+        hidden = int(_field(metadata, f"{arch}.embedding_length"))
+        num_heads = int(_field(metadata, f"{arch}.attention.head_count"))
+        head_dim = int(_field(metadata, f"{arch}.attention.key_length", hidden // num_heads))
+        if int(_field(metadata, f"{arch}.rope.dimension_count", head_dim)) != head_dim:
             raise ValueError("partial rotary embeddings are not supported")
-        vocab = _field(reader, f"{arch}.vocab_size", None)
+        vocab = _field(metadata, f"{arch}.vocab_size", None)
         if vocab is None:
-            vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-        bos = _field(reader, "tokenizer.ggml.bos_token_id", None)
+            vocab = len(metadata["tokenizer.ggml.tokens"])
+        bos = _field(metadata, "tokenizer.ggml.bos_token_id", None)
         eos_ids = tuple(
             int(v) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-            if (v := _field(reader, key, None)) is not None
+            if (v := _field(metadata, key, None)) is not None
         )
         return cls(
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-            num_layers=int(_field(reader, f"{arch}.block_count")),
+            intermediate_size=int(_field(metadata, f"{arch}.feed_forward_length")),
+            num_layers=int(_field(metadata, f"{arch}.block_count")),
             num_heads=num_heads,
-            num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+            num_kv_heads=int(_field(metadata, f"{arch}.attention.head_count_kv", num_heads)),
             head_dim=head_dim,
-            rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-            rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=_rope_scaling_from_gguf(reader, arch),
-            max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
+            rms_norm_eps=float(_field(metadata, f"{arch}.attention.layer_norm_rms_epsilon")),
+            rope_theta=float(_field(metadata, f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=_rope_scaling_from_gguf(metadata, arch),
+            max_position_embeddings=int(_field(metadata, f"{arch}.context_length")),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),
-            name=str(_field(reader, "general.name", arch)),
+            name=str(_field(metadata, "general.name", arch)),
         )
 
 
@@ -156,13 +159,12 @@ def as_token_ids(value: int | list[int] | None) -> tuple[int, ...]:
 _MISSING = object()
 
 
-def _field(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
-    entry = reader.fields.get(key)
-    if entry is None:
+def _field(metadata: dict[str, Any], key: str, default: Any = _MISSING) -> Any:
+    if key not in metadata:
         if default is _MISSING:
             raise ValueError(f"GGUF metadata lacks {key!r}")
         return default
-    return entry.contents()
+    return metadata[key]
 
 
 def _rope_scaling_from_hf(rope: dict[str, Any], max_positions: int) -> RopeScaling | None:
@@ -182,9 +184,9 @@ def _rope_scaling_from_hf(rope: dict[str, Any], max_positions: int) -> RopeScali
     raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
 
 
-def _rope_scaling_from_gguf(reader: GGUFReader, arch: str) -> RopeScaling | None:
-    rope_type = _field(reader, f"{arch}.rope.scaling.type", "none")
-    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+def _rope_scaling_from_gguf(metadata: dict[str, Any], arch: str) -> RopeScaling | None:
+    rope_type = _field(metadata, f"{arch}.rope.scaling.type", "none")
+    factor = float(_field(metadata, f"{arch}.rope.scaling.factor", 1.0))
     if rope_type == "none" or (rope_type == "linear" and factor == 1.0):
         return None
     if rope_type == "linear":

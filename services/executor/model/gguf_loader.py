@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from .config import ModelConfig
+from .gguf_file import GGUFFile, GGUFTensor
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -41,10 +41,10 @@ class GGUFCheckpoint:
     """Tensors by transformers name; each is dequantized when asked for (the file is memory-mapped)."""
 
     def __init__(self, path: Path) -> None:
-        self._reader = GGUFReader(path)
-        self.config = ModelConfig.from_gguf_metadata(self._reader)
-        self._permuted = self._reader.fields["general.architecture"].contents() == "llama"
-        self._tensors = {name: t for t in self._reader.tensors if (name := hf_name(t.name)) is not None}
+        gguf = GGUFFile(path)
+        self.config = ModelConfig.from_gguf_metadata(gguf)
+        self._permuted = gguf.metadata["general.architecture"] == "llama"
+        self._tensors = {name: t for t in gguf.tensors if (name := hf_name(t.name)) is not None}
 
     def tensor(self, name: str) -> torch.Tensor:
         entry = self._tensors.get(name)
@@ -68,7 +68,7 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
 
 
-def dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:
+def dequantize_tensor(tensor: GGUFTensor) -> torch.Tensor:
     """Any type gguf can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, K-quants...) to an fp32 tensor in
     torch's row-major shape (GGUF lists dimensions innermost first)."""
     try:

@@ -131,7 +131,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # no random init: the loader assigns every weight, and nn.Embedding's normal_ on the meta device imports
+        # torch's compile machinery first (~2 s of every executor start)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )

@@ -2,7 +2,7 @@
 
 Without `AutoTokenizer`: its module imports transformers' configuration code, and with it torch, and so
 does transformers' GGUF reader; the frontend tokenizes in a container that must not load torch. So a
-GGUF's tokenizer metadata is read with `gguf` and handed to the builder transformers itself uses for
+GGUF's tokenizer metadata is read by `gguf_file` and handed to the builder transformers itself uses for
 GGUF files; a directory's tokenizer.json is loaded as it is, by the generic fast tokenizer class (for the
 byte-level vocabularies of Llama 3, Qwen2 and SmolLM2, AutoTokenizer's per-model classes rebuild the same).
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gguf import GGUFReader
 from transformers import PreTrainedTokenizerFast
 from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
+from .gguf_file import GGUFFile
 from .registry import ModelSource
 
 # special token -> the GGUF key of its id
@@ -50,8 +50,8 @@ def render_chat(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str
 def _tokenizer_from_gguf(path: Path) -> PreTrainedTokenizerFast:
     """What `AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)` builds (same vocabulary,
     merges, special tokens and chat template)."""
-    reader = GGUFReader(path)
-    metadata = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    gguf = GGUFFile(path)
+    metadata = {key: value for key, value in gguf.metadata.items() if key.startswith("tokenizer.")}
     vocabulary, config = (
         {name: metadata[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING[group].items()
          if f"tokenizer.{key}" in metadata}
@@ -61,5 +61,5 @@ def _tokenizer_from_gguf(path: Path) -> PreTrainedTokenizerFast:
         config.setdefault("add_bos_token", True)
     for name, key in _GGUF_SPECIAL_TOKENS.items():
         config[name] = vocabulary["tokens"][metadata[key]] if key in metadata else None
-    backend, extra = convert_gguf_tokenizer(reader.fields["general.architecture"].contents(), vocabulary)
+    backend, extra = convert_gguf_tokenizer(gguf.metadata["general.architecture"], vocabulary)
     return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=str(path.parent), **config, **extra)
