@@ -2,12 +2,19 @@
 (`paged_decode_attention_cpu.c`), a layer's per-token ops (`cpu_layer_ops.c`, wrapped in cpu_layer_ops.py) and the
 logits' normalizer (`cpu_logits.c`, wrapped in logits_ops.py).
 
-The sources are compiled once per process on the machine that runs them (`-march=native`: the AVX2 or
-AVX-512 of this CPU; ~0.5 s) into one library, in a private temporary directory removed once loaded, so no
-stale build is ever shared between machines. Its OpenMP loops run on torch's own OpenMP runtime (the same
-`libgomp.so.1`, already loaded by torch), with as many threads as `torch.get_num_threads()` gives on the
-calling thread: what torch's own ops use there (an OpenMP thread count is per thread). Where that cannot be
-arranged, or no C compiler is found, `cpu_unavailable_reason` says why and the executor keeps the torch path.
+The sources are compiled on the machine that runs them (`-march=native`: the AVX2 or AVX-512 of this CPU)
+into one library, ~2 s of gcc on a 2-core machine. The library is kept in the user's cache directory
+(`$PAGEDSERVE_CACHE_DIR`, else `$XDG_CACHE_HOME/pagedserve` or `~/.cache/pagedserve`; in a pod, the emptyDir
+that is its HOME, so a restarted container skips the build) under a name that is the digest of everything the
+build depends on: the sources and headers, the flags, the compiler binary, and this CPU's vendor, model and
+flags, so a build is never loaded on a CPU or from sources it was not made for. The directory must be the
+user's own and writable by no one else (a library loaded from it runs as this process); where it is not, or
+cannot be written, the library is built in a private temporary directory removed once loaded.
+
+Its OpenMP loops run on torch's own OpenMP runtime (the same `libgomp.so.1`, already loaded by torch), with as
+many threads as `torch.get_num_threads()` gives on the calling thread: what torch's own ops use there (an OpenMP
+thread count is per thread). Where that cannot be arranged, or no C compiler is found, `cpu_unavailable_reason`
+says why and the executor keeps the torch path.
 
 Decode attention against the torch path at 64 sequences of ~80 tokens (SmolLM2-135M's 9 query / 3 KV heads
 of 64, caches cold): 1.58 -> 0.61 ms per layer on one thread, 0.88 -> 0.44 on two (docs/kernels.md).
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 import shutil
 import subprocess
@@ -30,6 +38,7 @@ from ._common import CacheShape, check_block_tables, check_kv_cache
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention_cpu.c", "cpu_layer_ops.c",
                                                                    "cpu_logits.c"))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 # -fno-trapping-math: the kernels never read floating-point exception flags, and without it gcc vectorizes
 # no loop that selects between values (exp's clamp, SiLU's two halves) unless the CPU has AVX-512's masks:
 # on an AVX2 machine SiLU * up and the softmax's exp ran one element at a time (2.3x slower than torch's).
@@ -73,18 +82,20 @@ def _library() -> ctypes.CDLL | str:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return "no C compiler (cc, gcc, or $CC) on PATH"
-    try:
-        with tempfile.TemporaryDirectory(prefix="pagedserve-kernel-") as directory:
-            target = Path(directory) / "pagedserve_cpu_kernels.so"
-            try:
-                subprocess.run([compiler, *CFLAGS, "-o", str(target), *map(str, SOURCES), "-lm"], check=True,
-                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            except (OSError, subprocess.SubprocessError) as error:
-                detail = getattr(error, "stderr", "") or str(error)
-                return f"{compiler} could not build the CPU kernels: {detail.strip()[-500:]}"
-            library = ctypes.CDLL(str(target))  # mapped: the file may go with its directory
-    except OSError as error:  # no writable temporary directory, or one mounted noexec
-        return f"could not build and load the CPU kernels in {tempfile.gettempdir()}: {error}"
+    cache = _cache_dir()
+    library = _load_cached(compiler, cache) if cache is not None else None
+    if library is None:
+        try:
+            with tempfile.TemporaryDirectory(prefix="pagedserve-kernel-") as directory:
+                target = Path(directory) / "pagedserve_cpu_kernels.so"
+                error = _compile(compiler, target)
+                if error is not None:
+                    return error
+                library = ctypes.CDLL(str(target))  # mapped: the file may go with its directory
+        except OSError as error:  # no writable temporary directory, or one mounted noexec
+            return f"could not build and load the CPU kernels in {tempfile.gettempdir()}: {error}"
+    if isinstance(library, str):
+        return library
     runtimes = _openmp_runtimes()
     if len(runtimes) > 1:  # the library brought a second runtime: its threads would fight torch's
         return f"two OpenMP runtimes would be loaded: {', '.join(sorted(runtimes))}"
@@ -92,6 +103,79 @@ def _library() -> ctypes.CDLL | str:
         function = getattr(library, name)
         function.restype, function.argtypes = restype, argtypes
     return library
+
+
+def _compile(compiler: str, target: Path) -> str | None:
+    """Builds the library at `target`; why it could not, or None."""
+    try:
+        subprocess.run([compiler, *CFLAGS, "-o", str(target), *map(str, SOURCES), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        return f"{compiler} could not build the CPU kernels: {detail.strip()[-500:]}"
+    return None
+
+
+def _cache_dir() -> Path | None:
+    """The directory built libraries are kept in, or None where there is no safe one: it must be this user's
+    and writable by no one else, since what is loaded from it runs in this process."""
+    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedserve")
+    directory = Path(root) / "kernels"
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return directory if _private(directory) else None
+    except OSError:
+        return None
+
+
+def _private(path: Path) -> bool:
+    info = path.stat()
+    return info.st_uid == os.getuid() and not info.st_mode & 0o022
+
+
+def build_key(compiler: str) -> str:
+    """The digest of everything a build depends on: sources, headers, flags, the compiler binary, and the CPU
+    that `-march=native` builds for (its vendor, family, model and feature flags)."""
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    binary = os.path.realpath(shutil.which(compiler) or compiler)
+    info = os.stat(binary)
+    digest.update(f"{CFLAGS}\0{binary}\0{info.st_size}\0{info.st_mtime_ns}\0".encode())
+    digest.update(_cpu_identity().encode())
+    return digest.hexdigest()
+
+
+def _cpu_identity() -> str:
+    wanted = ("vendor_id", "cpu family", "model", "model name", "flags")
+    identity: dict[str, str] = {}
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if not line.strip():
+                break  # the first processor's block: every core of a machine is the same model
+            key, _, value = line.partition(":")
+            if key.strip() in wanted:
+                identity[key.strip()] = value.strip()
+    return repr(sorted(identity.items()))
+
+
+def _load_cached(compiler: str, cache: Path) -> ctypes.CDLL | str | None:
+    """The library from the cache, built there first if it is not; None where the cache cannot be used."""
+    try:
+        target = cache / f"cpu_kernels-{build_key(compiler)[:32]}.so"
+        if not target.exists():
+            # built under a temporary name and renamed: a process that loads it never sees half a file
+            handle, partial = tempfile.mkstemp(dir=cache, prefix=".building-", suffix=".so")
+            os.close(handle)
+            error = _compile(compiler, Path(partial))
+            if error is not None:
+                os.unlink(partial)
+                return error
+            os.replace(partial, target)
+        return ctypes.CDLL(str(target)) if _private(target) else None
+    except OSError:  # a full disk, a directory mounted noexec: build it the other way
+        return None
 
 
 def native_library() -> ctypes.CDLL:

@@ -237,3 +237,61 @@ def test_a_nan_query_gives_nan_as_the_torch_path_does_and_touches_no_other_seque
     assert torch.isnan(out[0, 1]).all() and torch.isnan(reference[0, 1]).all()
     torch.testing.assert_close(out[0, 0], reference[0, 0])
     torch.testing.assert_close(out[1], reference[1])
+
+
+LOADED_FROM = """
+    from pagedserve.kernels.cpu_native import cpu_unavailable_reason
+    assert cpu_unavailable_reason() is None, cpu_unavailable_reason()
+    # the mapped file's path (a private build's ends "(deleted)": its directory went once it was loaded)
+    print(next(line.split(maxsplit=5)[-1] for line in open("/proc/self/maps") if "kernels" in line and ".so" in line))
+"""
+
+
+def test_the_built_library_is_kept_and_loaded_again(tmp_path: Path) -> None:
+    first = run_python(LOADED_FROM, {"PAGEDSERVE_CACHE_DIR": str(tmp_path)})
+    assert first.returncode == 0, first.stderr
+    (kept,) = (tmp_path / "kernels").glob("cpu_kernels-*.so")
+    assert first.stdout.strip() == str(kept)
+    built_at = kept.stat().st_mtime_ns
+    second = run_python(LOADED_FROM, {"PAGEDSERVE_CACHE_DIR": str(tmp_path)})
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.strip() == str(kept) and kept.stat().st_mtime_ns == built_at  # loaded, not built again
+    assert list((tmp_path / "kernels").iterdir()) == [kept]  # no partial build left behind
+
+
+def test_a_cache_others_can_write_to_is_not_used(tmp_path: Path) -> None:
+    (tmp_path / "kernels").mkdir(mode=0o700)
+    (tmp_path / "kernels").chmod(0o777)
+    result = run_python(LOADED_FROM, {"PAGEDSERVE_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "pagedserve-kernel-" in result.stdout and not list((tmp_path / "kernels").iterdir())
+
+
+def test_a_damaged_cached_library_is_built_again_elsewhere(tmp_path: Path) -> None:
+    first = run_python(LOADED_FROM, {"PAGEDSERVE_CACHE_DIR": str(tmp_path)})
+    kept = Path(first.stdout.strip())
+    kept.write_bytes(b"not a library")
+    result = run_python(LOADED_FROM, {"PAGEDSERVE_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "pagedserve-kernel-" in result.stdout  # the kernels still load, from a private build
+
+
+def test_the_build_key_names_the_cpu_the_flags_and_the_sources(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    from pagedserve.kernels import cpu_native
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler is not None
+    key = cpu_native.build_key(compiler)
+    assert cpu_native.build_key(compiler) == key
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_native, "_cpu_identity", lambda: "[('flags', 'sse2 avx512f')]")
+        assert cpu_native.build_key(compiler) != key
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_native, "CFLAGS", (*cpu_native.CFLAGS, "-DNDEBUG"))
+        assert cpu_native.build_key(compiler) != key
+    changed = tmp_path / "cpu_math.h"
+    changed.write_text(cpu_native.HEADERS[0].read_text() + "\n/* changed */\n")
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_native, "HEADERS", (changed,))
+        assert cpu_native.build_key(compiler) != key
