@@ -5,6 +5,7 @@ Files are written here with gguf's own GGUFWriter, so every case is small and kn
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,11 @@ from pagedserve.services.executor.model.gguf_loader import dequantize_tensor, un
 QUANT_TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 8e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.15, Q.Q4_1: 0.1}
 
 
-def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]], metadata: dict[str, Any]) -> None:
+def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]], metadata: dict[str, Any],
+               configure: Callable[[gguf.GGUFWriter], None] = lambda writer: None) -> None:
+    """`metadata` through the writer's `add_<key>` methods; `configure` may add anything else first."""
     writer = gguf.GGUFWriter(path, arch)
+    configure(writer)
     for key, value in metadata.items():
         getattr(writer, f"add_{key}")(value)
     for name, (values, qtype) in tensors.items():

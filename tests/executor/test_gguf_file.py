@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
+from test_gguf import write_gguf
 
 from pagedserve.services.executor.model.gguf_file import GGUFFile
 from pagedserve.services.executor.model.registry import resolve_model
@@ -42,17 +43,13 @@ def test_the_shipped_model_reads_as_gguf_reads_it() -> None:
 
 def write(path: Path, metadata: list[tuple[str, Any, V, V | None]], tensors: dict[str, tuple[np.ndarray, Q]],
           alignment: int | None = None) -> None:
-    writer = gguf.GGUFWriter(path, "llama")
-    if alignment is not None:
-        writer.add_custom_alignment(alignment)
-    for key, value, value_type, sub_type in metadata:
-        writer.add_key_value(key, value, value_type, sub_type)
-    for name, (values, qtype) in tensors.items():
-        writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    def configure(writer: gguf.GGUFWriter) -> None:
+        if alignment is not None:
+            writer.add_custom_alignment(alignment)
+        for key, value, value_type, sub_type in metadata:
+            writer.add_key_value(key, value, value_type, sub_type)
+
+    write_gguf(path, "llama", tensors, {}, configure)
 
 
 EVERY_TYPE = [
