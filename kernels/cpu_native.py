@@ -22,6 +22,7 @@ of 64, caches cold): 1.58 -> 0.61 ms per layer on one thread, 0.88 -> 0.44 on tw
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -30,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -165,7 +167,8 @@ def _load_cached(compiler: str, cache: Path) -> ctypes.CDLL | str | None:
     try:
         target = cache / f"cpu_kernels-{build_key(compiler)[:32]}.so"
         if not target.exists():
-            # built under a temporary name and renamed: a process that loads it never sees half a file
+            # built under a temporary name and renamed: a process that loads it never sees half a file; the
+            # linker keeps that file's private mode (mkstemp's), whatever the umask
             handle, partial = tempfile.mkstemp(dir=cache, prefix=".building-", suffix=".so")
             os.close(handle)
             error = _compile(compiler, Path(partial))
@@ -173,9 +176,18 @@ def _load_cached(compiler: str, cache: Path) -> ctypes.CDLL | str | None:
                 os.unlink(partial)
                 return error
             os.replace(partial, target)
+            _remove_abandoned(cache)
         return ctypes.CDLL(str(target)) if _private(target) else None
     except OSError:  # a full disk, a directory mounted noexec: build it the other way
         return None
+
+
+def _remove_abandoned(cache: Path, age_s: float = 3600.0) -> None:
+    """Partial builds of processes killed while building (a build takes seconds, not an hour)."""
+    for partial in cache.glob(".building-*.so"):
+        with contextlib.suppress(OSError):  # another process may be removing it too
+            if time.time() - partial.stat().st_mtime > age_s:
+                partial.unlink()
 
 
 def native_library() -> ctypes.CDLL:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -248,15 +251,23 @@ LOADED_FROM = """
 
 
 def test_the_built_library_is_kept_and_loaded_again(tmp_path: Path) -> None:
-    first = run_python(LOADED_FROM, {"PAGEDSERVE_CACHE_DIR": str(tmp_path)})
+    cache = tmp_path / "kernels"
+    cache.mkdir(mode=0o700)
+    abandoned, building = cache / ".building-old.so", cache / ".building-now.so"  # a killed build; one under way
+    abandoned.write_bytes(b"half a library")
+    building.write_bytes(b"half a library")
+    os.utime(abandoned, (time.time() - 7200, time.time() - 7200))
+    # built under a umask that lets the group write: the library must still be the user's alone, or it is refused
+    first = run_python("import os; os.umask(0o002)\n" + textwrap.dedent(LOADED_FROM),
+                       {"PAGEDSERVE_CACHE_DIR": str(tmp_path)})
     assert first.returncode == 0, first.stderr
-    (kept,) = (tmp_path / "kernels").glob("cpu_kernels-*.so")
-    assert first.stdout.strip() == str(kept)
+    (kept,) = cache.glob("cpu_kernels-*.so")
+    assert first.stdout.strip() == str(kept) and not kept.stat().st_mode & 0o022
+    assert sorted(cache.iterdir()) == sorted([kept, building])  # the abandoned partial build is removed
     built_at = kept.stat().st_mtime_ns
     second = run_python(LOADED_FROM, {"PAGEDSERVE_CACHE_DIR": str(tmp_path)})
     assert second.returncode == 0, second.stderr
     assert second.stdout.strip() == str(kept) and kept.stat().st_mtime_ns == built_at  # loaded, not built again
-    assert list((tmp_path / "kernels").iterdir()) == [kept]  # no partial build left behind
 
 
 def test_a_cache_others_can_write_to_is_not_used(tmp_path: Path) -> None:
