@@ -9,6 +9,7 @@ every decode step on the cpu backend).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +116,28 @@ def test_a_block_outside_the_cache_is_refused(model: LlamaForCausalLM) -> None:
     with pytest.raises(ValueError, match="outside the cache"):
         model(input_ids, positions, dataclasses.replace(meta, decode_block_tables=tables),
               copy_caches(runner.kv_caches))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("variant", ["qwen2-bias", "llama-linear-rope-tied"])
+def test_a_model_that_released_its_plain_weights_gives_the_same_bits(variant: str, tmp_path: Path) -> None:
+    make_hf_model(variant, seed=3).save_pretrained(tmp_path, safe_serialization=True)
+    kept, released = (load_model(str(tmp_path), torch.float32, torch.device("cpu"), get_backend("cpu"))[0]
+                      for _ in range(2))
+    linears = [lin for layer in released.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    expected = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
+    assert released.release_plain_weights() == expected
+    assert all(lin.weight.device.type == "meta" and lin.weight.shape == (lin.out_features, lin.in_features)
+               for lin in linears)
+    assert released.embed_tokens.weight.device.type == "cpu"  # the embedding (and a tied head) keeps its own
+    outputs = []
+    for model in (kept, released):
+        with torch.inference_mode():  # a prefill through the generic layers, then two decode steps (fast path)
+            runner, last = prefilled(model)
+            logits = [runner.step([(seq, [token]) for seq, token in enumerate(last)]) for _ in range(2)]
+        outputs.append((last, [torch.cat(step) for step in logits]))
+    assert outputs[0][0] == outputs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(outputs[0][1], outputs[1][1], strict=True))
+    assert released.release_plain_weights() == 0  # nothing left to release
+    with pytest.raises(ValueError, match="released"):
+        released.use_backend(get_backend("torch"))

@@ -61,3 +61,13 @@ def test_ref_writes_into_out_when_it_can() -> None:
     out = torch.empty(4, 16)
     assert linear_ref(x, weight, None, PackedWeight(), out).data_ptr() == out.data_ptr()
     assert torch.allclose(out, x @ weight.t(), atol=1e-6)
+
+
+def test_a_released_weight_leaves_only_the_packed_copy() -> None:
+    weight, packed, x = seeded(16, 8, seed=12), PackedWeight(), seeded(3, 8, seed=13)
+    before = linear_packed(x, weight, None, packed)
+    stand_in = packed.release(weight)
+    assert stand_in.device.type == "meta" and stand_in.shape == weight.shape and stand_in.dtype == weight.dtype
+    assert torch.equal(linear_packed(x, stand_in, None, packed), before)  # the same packed copy, bit for bit
+    with pytest.raises(ValueError, match="x has 9 features"):  # the stand-in's shape still checks the input
+        linear_packed(seeded(3, 9, seed=14), stand_in, None, packed)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ....kernels import KernelBackend
-from ....kernels.linear_ops import PackedWeight
+from ....kernels.linear_ops import PackedWeight, linear_packed
 from ..attention import AttentionMetadata, paged_attention
 from ..dense_attention import DenseAttentionMetadata, DenseLayer, dense_attention
 from . import cpu_decode
@@ -143,9 +143,30 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
         self.head_packed = PackedWeight()  # the LM head's weight (the embedding's if tied), as the backend keeps it
         self.backend = backend
+        self.plain_weights_released = False
+
+    def release_plain_weights(self) -> int:
+        """On a backend that multiplies by packed copies (the cpu backend's oneDNN layout), packs every decoder
+        layer's linear weights now and lets the plain ones go (meta tensors of their shapes stand in), instead of
+        holding both: for a served model, whose weights never change. Returns the bytes let go (0 on another
+        backend). The model then runs on packing backends only; the embedding and the LM head keep theirs."""
+        if self.backend.linear is not linear_packed:
+            return 0
+        released = 0
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, Linear) and module.weight.device.type != "meta":
+                    weight = module.weight
+                    module.weight = nn.Parameter(module.packed.release(weight), requires_grad=False)
+                    released += weight.numel() * weight.element_size()
+        self.plain_weights_released = True
+        return released
 
     def use_backend(self, backend: KernelBackend) -> KernelBackend:
         """Runs every layer on `backend` from now on; returns the one it replaces."""
+        if self.plain_weights_released and backend.linear is not linear_packed:
+            raise ValueError(f"backend {backend.name!r} multiplies by the plain linear weights, which this model "
+                             "released (release_plain_weights): it runs on a packing backend only")
         previous = self.backend
         for module in self.modules():
             if isinstance(module, (LlamaForCausalLM, Attention, MLP, RMSNorm, Linear)):
