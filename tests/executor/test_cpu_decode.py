@@ -125,11 +125,12 @@ def test_a_model_that_released_its_plain_weights_gives_the_same_bits(variant: st
                       for _ in range(2))
     linears = [lin for layer in released.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    linears += [released.lm_head] if released.lm_head is not None else []  # an untied head: released too
     expected = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
     assert released.release_plain_weights() == expected
     assert all(lin.weight.device.type == "meta" and lin.weight.shape == (lin.out_features, lin.in_features)
                for lin in linears)
-    assert released.embed_tokens.weight.device.type == "cpu"  # the embedding (and a tied head) keeps its own
+    assert released.embed_tokens.weight.device.type == "cpu"  # the embedding (a tied head's weight) keeps its own
     outputs = []
     for model in (kept, released):
         with torch.inference_mode():  # a prefill through the generic layers, then two decode steps (fast path)

@@ -146,18 +146,23 @@ class LlamaForCausalLM(nn.Module):
         self.plain_weights_released = False
 
     def release_plain_weights(self) -> int:
-        """On a backend that multiplies by packed copies (the cpu backend's oneDNN layout), packs every decoder
-        layer's linear weights now and lets the plain ones go (meta tensors of their shapes stand in), instead of
+        """On a backend that multiplies by packed copies (the cpu backend's oneDNN layout), packs every linear
+        weight now and lets the plain ones go (meta tensors of their shapes stand in), instead of
         holding both: for a served model, whose weights never change. Returns the bytes let go (0 on another
-        backend). The model then runs on packing backends only; the embedding and the LM head keep theirs."""
+        backend). The model then runs on packing backends only. An untied LM head is released too; a tied one
+        is the embedding's weight, which the embedding reads."""
         if self.backend.linear is not linear_packed:
             return 0
+        layers: list[tuple[nn.Linear, PackedWeight]] = [
+            (module, module.packed) for module in self.modules() if isinstance(module, Linear)]
+        if self.lm_head is not None:
+            layers.append((self.lm_head, self.head_packed))
         released = 0
         with torch.no_grad():
-            for module in self.modules():
-                if isinstance(module, Linear) and module.weight.device.type != "meta":
-                    weight = module.weight
-                    module.weight = nn.Parameter(module.packed.release(weight), requires_grad=False)
+            for module, packed in layers:
+                weight = module.weight
+                if weight.device.type != "meta":
+                    module.weight = nn.Parameter(packed.release(weight), requires_grad=False)
                     released += weight.numel() * weight.element_size()
         self.plain_weights_released = True
         return released
