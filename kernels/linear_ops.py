@@ -8,7 +8,7 @@ LM head 43 -> 19 ms (docs/performance.md). Results differ from `F.linear` by sum
 
 The packed copy is kept beside the weight (the torch backend, the state dict and tied embeddings read the
 weight), so the linear layers' weights take twice their memory on the CPU backend, until the weight is let go
-(`PackedWeight.release`: what a serving model does with its decoder layers' weights once loaded).
+(`PackedWeight.release`: what a served model does with its linear layers' weights once loaded).
 """
 
 from __future__ import annotations
