@@ -54,7 +54,6 @@ class GGUFFile:
     """`metadata`: every key's value as Python values (arrays as lists); `tensors`: in file order."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
@@ -108,13 +107,7 @@ class _Parser:
         return int(value)
 
     def _string(self) -> str:
-        length = self._u64()
-        end = self.offset + length
-        if end > len(self.buf):
-            raise ValueError(f"{self.path}: a string runs past the end of the file")
-        text = str(self.buf[self.offset : end], "utf-8")
-        self.offset = end
-        return text
+        return self._strings(1)[0]
 
     def _value(self, value_type: GGUFValueType) -> Any:
         if value_type == GGUFValueType.STRING:
