@@ -176,18 +176,28 @@ def _load_cached(compiler: str, cache: Path) -> ctypes.CDLL | str | None:
                 os.unlink(partial)
                 return error
             os.replace(partial, target)
-            _remove_abandoned(cache)
-        return ctypes.CDLL(str(target)) if _private(target) else None
+            _remove_stale(cache)
+        if not _private(target):
+            return None
+        library = ctypes.CDLL(str(target))
+        with contextlib.suppress(OSError):  # its access time says when it was last loaded (see _remove_stale)
+            os.utime(target, ns=(time.time_ns(), target.stat().st_mtime_ns))
+        return library
     except OSError:  # a full disk, a directory mounted noexec: build it the other way
         return None
 
 
-def _remove_abandoned(cache: Path, age_s: float = 3600.0) -> None:
-    """Partial builds of processes killed while building (a build takes seconds, not an hour)."""
-    for partial in cache.glob(".building-*.so"):
+def _remove_stale(cache: Path, partial_age_s: float = 3600.0, unused_age_s: float = 30 * 86400.0) -> None:
+    """Partial builds of processes killed while building (a build takes seconds, not an hour), and libraries
+    no process has loaded for a month: those of older sources, compilers or CPUs pile up otherwise (each load
+    sets its library's access time, whatever the mount's atime policy)."""
+    now = time.time()
+    stale = [(path, partial_age_s, "st_mtime") for path in cache.glob(".building-*.so")]
+    stale += [(path, unused_age_s, "st_atime") for path in cache.glob("cpu_kernels-*.so")]
+    for path, age_s, stamp in stale:
         with contextlib.suppress(OSError):  # another process may be removing it too
-            if time.time() - partial.stat().st_mtime > age_s:
-                partial.unlink()
+            if now - getattr(path.stat(), stamp) > age_s:
+                path.unlink()  # a process that has it loaded keeps its mapping
 
 
 def native_library() -> ctypes.CDLL:

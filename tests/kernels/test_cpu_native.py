@@ -254,20 +254,26 @@ def test_the_built_library_is_kept_and_loaded_again(tmp_path: Path) -> None:
     cache = tmp_path / "kernels"
     cache.mkdir(mode=0o700)
     abandoned, building = cache / ".building-old.so", cache / ".building-now.so"  # a killed build; one under way
-    abandoned.write_bytes(b"half a library")
-    building.write_bytes(b"half a library")
+    unused, recent = cache / "cpu_kernels-old.so", cache / "cpu_kernels-recent.so"  # built for other sources
+    for path in (abandoned, building, unused, recent):
+        path.write_bytes(b"a library, or half of one")
     os.utime(abandoned, (time.time() - 7200, time.time() - 7200))
+    os.utime(unused, (time.time() - 31 * 86400, time.time() - 40 * 86400))  # last loaded 31 days ago
+    os.utime(recent, (time.time() - 29 * 86400, time.time() - 40 * 86400))
     # built under a umask that lets the group write: the library must still be the user's alone, or it is refused
     first = run_python("import os; os.umask(0o002)\n" + textwrap.dedent(LOADED_FROM),
                        {"PAGEDSERVE_CACHE_DIR": str(tmp_path)})
     assert first.returncode == 0, first.stderr
-    (kept,) = cache.glob("cpu_kernels-*.so")
+    (kept,) = set(cache.glob("cpu_kernels-*.so")) - {unused, recent}
     assert first.stdout.strip() == str(kept) and not kept.stat().st_mode & 0o022
-    assert sorted(cache.iterdir()) == sorted([kept, building])  # the abandoned partial build is removed
+    # the abandoned partial build and the library unused for a month are removed
+    assert sorted(cache.iterdir()) == sorted([kept, building, recent])
     built_at = kept.stat().st_mtime_ns
+    os.utime(kept, ns=(built_at - 10**9, built_at))
     second = run_python(LOADED_FROM, {"PAGEDSERVE_CACHE_DIR": str(tmp_path)})
     assert second.returncode == 0, second.stderr
     assert second.stdout.strip() == str(kept) and kept.stat().st_mtime_ns == built_at  # loaded, not built again
+    assert kept.stat().st_atime_ns > built_at  # and marked as used
 
 
 def test_a_cache_others_can_write_to_is_not_used(tmp_path: Path) -> None:
