@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from .grpc_server import CHANNEL_OPTIONS
+
 LISTENING = re.compile(r"listening on (\S+) \(port (\d+)\)")
 
 
@@ -80,7 +82,10 @@ def wait_serving(
 ) -> None:
     """Polls the health service (no API key needed) until SERVING; over TLS with `credentials`."""
     deadline = time.monotonic() + timeout
-    channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    # reconnecting within 0.1-1 s: a process started before the one it waits for (a pod's containers, `serve`'s
+    # frontend) would otherwise notice it up to gRPC's growing backoff late
+    channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if credentials is None
+               else grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS))
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:

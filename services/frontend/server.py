@@ -75,7 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def connect(args: argparse.Namespace, max_n: int, on_availability: Callable[[bool], None]) -> Backend:
-    """Blocking: checks the sidecars agree, loads the tokenizer, starts the engine thread."""
+    """Blocking: loads the tokenizer (while the executor may still be loading the model), checks the sidecars
+    agree, starts the engine thread."""
+    source = resolve_model(args.model)
+    tokenizer = load_tokenizer(source)
     for address in (args.executor, args.block_manager):  # in a pod all three containers start at once
         wait_serving(address, args.sidecar_timeout)
     executor = RemoteExecutor(args.executor, timeout=args.step_timeout)
@@ -87,11 +90,9 @@ def connect(args: argparse.Namespace, max_n: int, on_availability: Callable[[boo
         raise StartupError(str(exc)) from None
     info = sidecars.info
     assert info is not None
-    source = resolve_model(args.model)
     if source.digest != info.model_digest:
         raise StartupError(f"--model {args.model} ({source.digest}) is not what the executor serves "
                            f"({info.model}, {info.model_digest})")
-    tokenizer = load_tokenizer(source)
     if args.preemption_mode == "swap" and info.num_cpu_blocks == 0:
         raise StartupError(SWAP_WITHOUT_POOL)
     scheduler = Scheduler(

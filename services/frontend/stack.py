@@ -1,10 +1,11 @@
 """`pagedserve serve`: the three processes of a pod on one machine, started in order and watched.
 
-The executor starts first (it sizes the KV cache), the block manager is started with the executor's
-numbers, then the frontend. All three talk over unix sockets in a private run directory; only the
-frontend listens on TCP ports: gRPC, and with `--http-port` the OpenAI-compatible HTTP API (both with TLS
-and API keys when given). The supervisor itself waits for and watches the frontend through a plain socket
-in the run directory, so it needs neither a client certificate nor a key. Ctrl-C or SIGTERM stops all
+The executor starts first (it sizes the KV cache) and the frontend right after it (its imports and tokenizer
+load while the model loads; then it waits for both sidecars); the block manager is started with the
+executor's numbers once the executor serves. All three talk over unix sockets in a private run directory;
+only the frontend listens on TCP ports: gRPC, and with `--http-port` the OpenAI-compatible HTTP API (both
+with TLS and API keys when given). The supervisor itself waits for and watches the frontend through a plain
+socket in the run directory, so it needs neither a client certificate nor a key. Ctrl-C or SIGTERM stops all
 three. A component that dies is reported with its last output and started again (the frontend waits for a
 lost sidecar and resumes its requests; a restarted frontend loses only its own in-flight requests), unless
 it keeps dying: then all three stop.
@@ -36,6 +37,7 @@ from .scheduler import SWAP_WITHOUT_POOL
 FRONTEND_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "preemption_mode", "ttft_slo_ms",
                   "tpot_slo_ms", "step_timeout", "recovery_timeout")
 RESTART_WINDOW_S = 300.0
+MODEL_LOAD_TIMEOUT_S = 1800.0  # a large model's load and warm-up on a GPU
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,14 +86,13 @@ class Stack:
         self.frontend_local = f"unix:{self.run_dir}/frontend.sock"  # the supervisor's own, plain listener
 
     def start(self, args: argparse.Namespace) -> str:
+        executor, block_manager = f"unix:{self.run_dir}/executor.sock", f"unix:{self.run_dir}/block-manager.sock"
         executor_argv = ["executor", *ExecutorConfig.from_args(args).to_argv()]
-        self._start("executor", executor_argv, f"unix:{self.run_dir}/executor.sock", timeout=1800)
-        info = RemoteExecutor(self.services["executor"].address).info()
-        self._start("block-manager", ["block-manager", "--num-blocks", str(info.num_blocks), "--block-size",
-                                      str(info.block_size), "--cpu-blocks", str(info.num_cpu_blocks)],
-                    f"unix:{self.run_dir}/block-manager.sock")
-        frontend_args = ["frontend", "--block-manager", self.services["block-manager"].address,
-                         "--executor", self.services["executor"].address, "--model", args.model]
+        self._start("executor", executor_argv, executor, timeout=MODEL_LOAD_TIMEOUT_S, wait=False)
+        # started now, it imports and loads its tokenizer while the executor loads the model, then waits for both
+        # sidecars (its addresses are known before they listen)
+        frontend_args = ["frontend", "--block-manager", block_manager, "--executor", executor, "--model", args.model,
+                         "--sidecar-timeout", str(MODEL_LOAD_TIMEOUT_S)]
         for flag in FRONTEND_FLAGS:
             frontend_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         if not args.overlap:
@@ -101,21 +102,37 @@ class Stack:
         if args.http_port:
             frontend_args += ["--http-listen", f"{args.host}:{args.http_port}"]
         frontend_args += ["--local-listen", self.frontend_local, *public_flags(args)]
-        self._start("frontend", frontend_args, f"{args.host}:{args.port}", serving_at=self.frontend_local)
+        self._start("frontend", frontend_args, f"{args.host}:{args.port}", timeout=MODEL_LOAD_TIMEOUT_S,
+                    serving_at=self.frontend_local, wait=False)
+        self._wait("executor")
+        info = RemoteExecutor(executor).info()  # the block manager is sized by the cache the executor made
+        self._start("block-manager", ["block-manager", "--num-blocks", str(info.num_blocks), "--block-size",
+                                      str(info.block_size), "--cpu-blocks", str(info.num_cpu_blocks)], block_manager)
+        self._wait("frontend")
         scheme = "https" if args.tls_cert else "http"
         http = f", OpenAI-compatible HTTP API on {scheme}://{args.host}:{args.http_port}/v1" if args.http_port else ""
         return (f"pagedserve: serving {info.model} on {args.host}:{args.port}{http} ({info.device}, {info.dtype}, "
                 f"{info.kernel_backend} kernels; {info.num_blocks} KV blocks of {info.block_size} tokens, "
                 f"{info.num_cpu_blocks} CPU swap blocks)")
 
-    def _start(self, name: str, argv: list[str], listen: str, timeout: float = 300.0, serving_at: str = "") -> None:
-        """Starts a component; waits until it is SERVING at its address, or at `serving_at` when given."""
+    def _start(self, name: str, argv: list[str], listen: str, timeout: float = 300.0, serving_at: str = "",
+               wait: bool = True) -> None:
+        """Starts a component; waits until it is SERVING at its address, or at `serving_at` when given (with
+        `wait=False`, only until it listens: `_wait` then)."""
         print(f"pagedserve: starting the {name} ...", file=sys.stderr, flush=True)
         self.launches[name] = (argv, listen, timeout, serving_at)
-        self.services[name] = service = start_service(argv, listen=listen, timeout=timeout,
-                                                      until_serving=not serving_at)
-        if serving_at:
-            wait_serving(serving_at, timeout, service.proc)
+        self.services[name] = start_service(argv, listen=listen, timeout=timeout, until_serving=False)
+        if wait:
+            self._wait(name)
+
+    def _wait(self, name: str) -> None:
+        _, _, timeout, serving_at = self.launches[name]
+        service = self.services[name]
+        try:
+            wait_serving(serving_at or service.address, timeout, service.proc)
+        except BaseException:
+            stop_service(service)  # not serving in time: found dead next round (a restart counts it)
+            raise
 
     def dead(self) -> tuple[str, ServiceProcess] | None:
         return next(((n, s) for n, s in self.services.items() if s.proc.poll() is not None), None)
