@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from ...protos import inference_pb2 as pb
 from ...protos import inference_pb2_grpc as pb_grpc
@@ -23,7 +24,7 @@ from ..common.http_server import HttpService, HttpTls, parse_listen
 from ..common.processes import wait_serving
 from ..common.tls import TlsConfigError
 from ..executor.client import RemoteExecutor
-from ..executor.model.registry import resolve_model
+from ..executor.model.registry import ModelSource, resolve_model
 from ..executor.model.tokenizer import load_tokenizer
 from .api import InferenceServicer
 from .auth import ApiKeyInterceptor, KeysFileError
@@ -75,10 +76,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def connect(args: argparse.Namespace, max_n: int, on_availability: Callable[[bool], None]) -> Backend:
-    """Blocking: loads the tokenizer (while the executor may still be loading the model), checks the sidecars
-    agree, starts the engine thread."""
+    """Blocking: checks the sidecars agree, loads the tokenizer (on a thread of its own from the start, while
+    the executor may still be loading the model; its errors come after the sidecars'), starts the engine
+    thread."""
     source = resolve_model(args.model)
-    tokenizer = load_tokenizer(source)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer") as loading:
+        tokenizer_loaded = loading.submit(load_tokenizer, source)
+        executor, block_manager, sidecars = _sidecars(args, source)
+        tokenizer = tokenizer_loaded.result()
+    info = sidecars.info
+    assert info is not None
+    scheduler = Scheduler(
+        SchedulerConfig(info.block_size, info.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
+                        args.preemption_mode, shares_kv(info.kv_layout)),
+        block_manager,
+    )
+    eos = frozenset(info.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
+    limits = EngineLimits(info.vocab_size, info.max_model_len, info.num_blocks, info.block_size, eos, max_n)
+    identity = ModelIdentity(info.model_digest, tokenizer.name_or_path or info.model, tokenizer.chat_template or "",
+                             info.dtype)
+    metrics = ServingMetrics(args.ttft_slo_ms, args.tpot_slo_ms)
+    loop = EngineLoop(Engine(scheduler, executor, limits, identity, args.overlap), metrics, args.max_waiting_requests,
+                      sidecars, args.recovery_timeout, on_availability)
+    loop.start()
+    return Backend(loop, tokenizer, info)
+
+
+def _sidecars(args: argparse.Namespace, source: ModelSource) -> tuple[RemoteExecutor, RemoteBlockManager, Sidecars]:
+    """Waits for both sidecars, starts them clean, and checks that they agree with each other and with us."""
     for address in (args.executor, args.block_manager):  # in a pod all three containers start at once
         wait_serving(address, args.sidecar_timeout)
     executor = RemoteExecutor(args.executor, timeout=args.step_timeout)
@@ -95,20 +120,7 @@ def connect(args: argparse.Namespace, max_n: int, on_availability: Callable[[boo
                            f"({info.model}, {info.model_digest})")
     if args.preemption_mode == "swap" and info.num_cpu_blocks == 0:
         raise StartupError(SWAP_WITHOUT_POOL)
-    scheduler = Scheduler(
-        SchedulerConfig(info.block_size, info.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
-                        args.preemption_mode, shares_kv(info.kv_layout)),
-        block_manager,
-    )
-    eos = frozenset(info.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
-    limits = EngineLimits(info.vocab_size, info.max_model_len, info.num_blocks, info.block_size, eos, max_n)
-    identity = ModelIdentity(info.model_digest, tokenizer.name_or_path or info.model, tokenizer.chat_template or "",
-                             info.dtype)
-    metrics = ServingMetrics(args.ttft_slo_ms, args.tpot_slo_ms)
-    loop = EngineLoop(Engine(scheduler, executor, limits, identity, args.overlap), metrics, args.max_waiting_requests,
-                      sidecars, args.recovery_timeout, on_availability)
-    loop.start()
-    return Backend(loop, tokenizer, info)
+    return executor, block_manager, sidecars
 
 
 async def serve(args: argparse.Namespace, settings: PublicSettings) -> None:
