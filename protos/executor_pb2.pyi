@@ -72,6 +72,7 @@ class ExecuteRequest(_message.Message):
     TABLE_HELD_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     TABLE_KEPT_FIELD_NUMBER: _builtins.int
+    SAMPLING_HELD_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Overlapped steps are numbered 1, 2, ... by the frontend, which sends step N+1 before step N has
     answered; a step that uses last-sampled tokens runs only after step_id - 1 (0: unnumbered).
@@ -129,7 +130,7 @@ class ExecuteRequest(_message.Message):
     def block_tables(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def temperature(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """One entry per sequence with sample set, in order.
+        """One entry per sequence with sample set (and sampling_held false), in order.
         0: greedy
         """
 
@@ -171,6 +172,14 @@ class ExecuteRequest(_message.Message):
         table sends its new blocks, not all of them (0: the table is sent whole).
         """
 
+    @_builtins.property
+    def sampling_held(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Empty, or one entry per sequence with sample set: true when this executor holds the sequence's sampling
+        parameters from an earlier step in which it sampled (its temperature, top_k, top_p, seed and
+        num_top_logprobs entries are left out: those five then have one entry per false here); false when they
+        follow, replacing any held. Held, and forgotten, as tables are: a request's parameters never change.
+        """
+
     def __init__(
         self,
         *,
@@ -196,10 +205,11 @@ class ExecuteRequest(_message.Message):
         table_held: _abc.Iterable[_builtins.bool] | None = ...,
         traceparent: _builtins.str = ...,
         table_kept: _abc.Iterable[_builtins.int] | None = ...,
+        sampling_held: _abc.Iterable[_builtins.bool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table_lens", b"block_table_lens", "block_tables", b"block_tables", "copies", b"copies", "epoch", b"epoch", "num_tokens", b"num_tokens", "num_top_logprobs", b"num_top_logprobs", "released_seq_ids", b"released_seq_ids", "sample", b"sample", "seed", b"seed", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "start_positions", b"start_positions", "step_id", b"step_id", "swap_in", b"swap_in", "swap_out", b"swap_out", "table_held", b"table_held", "table_kept", b"table_kept", "temperature", b"temperature", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table_lens", b"block_table_lens", "block_tables", b"block_tables", "copies", b"copies", "epoch", b"epoch", "num_tokens", b"num_tokens", "num_top_logprobs", b"num_top_logprobs", "released_seq_ids", b"released_seq_ids", "sample", b"sample", "sampling_held", b"sampling_held", "seed", b"seed", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "start_positions", b"start_positions", "step_id", b"step_id", "swap_in", b"swap_in", "swap_out", b"swap_out", "table_held", b"table_held", "table_kept", b"table_kept", "temperature", b"temperature", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

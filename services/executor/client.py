@@ -9,13 +9,13 @@ from itertools import chain, compress, repeat
 from ...protos import executor_pb2 as pb
 from ...protos import executor_pb2_grpc as pb_grpc
 from ..common.channels import Pending, StepChannel, StepStream
-from .step_types import ExecutorInfo, HeldTables, SampledToken, StepInput, new_row
+from .step_types import ExecutorInfo, HeldInputs, SampledToken, SamplingParams, StepInput, new_row
 
 EXECUTE_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Executor'].full_name}/Execute"
 
-def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = None) -> pb.ExecuteRequest:
-    """`held`: the tables the executor holds; only the others are sent, a grown one as its new blocks (and recorded
-    as held from now on).
+def step_to_proto(step: StepInput, epoch: int = 0, held: HeldInputs | None = None) -> pb.ExecuteRequest:
+    """`held`: the tables and sampling parameters the executor holds; only the others are sent, a grown table as
+    its new blocks (and recorded as held from now on).
     Columns by transposing the sequences (zip(*...)): C loops, not one Python pass per field."""
     seqs = step.sequences
     seq_ids, token_lists, starts, tables, slot_lists, samplings = zip(*seqs, strict=True) if seqs else ((),) * 6
@@ -25,7 +25,6 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = Non
     sent_tables: Iterable[Sequence[int]] = tables
     if held is not None:
         table_held, kept = held.sent(seq_ids, tables)
-        held.release(step.released_seq_ids)
         if any(table_held) or any(kept):  # a held table is not sent (length 0); of a changed one, its new blocks
             not_held = list(map(operator.not_, table_held))
             table_lens = list(map(operator.mul, table_lens, not_held))
@@ -35,7 +34,20 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = Non
                 sent_tables.append(tables[i][kept[i]:] if kept[i] else tables[i])
             table_kept = kept if any(kept) else ()
     sampled = list(filter(None, samplings))  # the SamplingParams of those that sample (a tuple, never empty)
-    temperature, top_k, top_p, seed, num_top_logprobs = zip(*sampled, strict=True) if sampled else ((),) * 5
+    sampling_held: Sequence[bool] = ()
+    sent_sampling: Iterable[SamplingParams] = sampled
+    if held is not None and sampled:
+        sampling_held = held.sent_sampling(list(compress(seq_ids, samplings)), sampled)
+        if all(sampling_held):  # the steady state: none follow
+            sent_sampling = ()
+        elif any(sampling_held):
+            sent_sampling = list(compress(sampled, map(operator.not_, sampling_held)))
+        else:
+            sampling_held = ()  # all follow: the empty field says so
+    if held is not None:  # after this step's inputs are recorded, as the executor does (`HeldInputs.commit`): a
+        held.release(step.released_seq_ids)  # sequence freed and admitted again in one step holds nothing after
+    columns = list(sent_sampling)
+    temperature, top_k, top_p, seed, num_top_logprobs = zip(*columns, strict=True) if columns else ((),) * 5
     return pb.ExecuteRequest(
         swap_out=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_out],
         swap_in=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_in],
@@ -58,6 +70,7 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldTables | None = Non
         released_seq_ids=step.released_seq_ids,
         table_held=table_held,
         table_kept=table_kept,
+        sampling_held=sampling_held,
     )
 
 
@@ -92,7 +105,7 @@ class RemoteExecutor:
         self.steps: StepStream[pb.ExecuteResponse] = self.channel.stream(EXECUTE_METHOD, pb.ExecuteResponse, timeout)
         self.timeout = timeout
         self.epoch = 0
-        self.held = HeldTables()  # what the executor holds, as far as the steps sent tell
+        self.held = HeldInputs()  # what the executor holds, as far as the steps sent tell
 
     def submit(self, step: StepInput) -> RunningStep:
         """Sends the step and returns at once: overlapped steps queue behind the one running."""

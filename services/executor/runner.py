@@ -26,7 +26,7 @@ from .sampling import sample
 from .step_types import (
     LAST_SAMPLED,
     MAX_TOP_LOGPROBS,
-    HeldTables,
+    HeldInputs,
     LastSampled,
     SampledToken,
     SequenceInput,
@@ -85,7 +85,7 @@ class ModelRunner:
         # Each sequence's block table whose ids were checked, by object: tables are replaced, never changed in
         # place (the scheduler's, and those a server holds), so a step checks only the tables that changed. Kept
         # by the rules of the tables a server holds: recorded per valid step, forgotten at a release or reset.
-        self._checked_tables = HeldTables()
+        self._checked_tables = HeldInputs()
         # The torch path plans the decodes' cache reads once per step (block_size, num_kv_heads, num_heads).
         self._gather_geometry = (block_size, config.num_kv_heads, config.num_heads) if backend.name == "torch" else None
         self._logits = torch.empty(0, config.vocab_size, device=self.device)
@@ -151,7 +151,7 @@ class ModelRunner:
             for j, (src, dst) in enumerate(pairs):
                 if not (0 <= src < src_limit and 0 <= dst < dst_limit):
                     raise InvalidRequest(f"{name}[{j}]: block ({src} -> {dst}) outside the cache")
-        self._checked_tables.commit(step)  # the step is valid: its tables are checked
+        self._checked_tables.commit(step, samplings_sent=False)  # the step is valid: its tables are checked
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> list[SampledToken]:

@@ -9,11 +9,12 @@ executor or its block manager) is refused, or skipped if it was queued already, 
 
 from __future__ import annotations
 
+import _operator as operator  # the standard library's (this package has an `operator` of its own)
 import argparse
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain, compress, repeat
 
 import grpc.aio
 
@@ -27,13 +28,14 @@ from .client import EXECUTE_METHOD
 from .engine_config import build_runner
 from .options import ExecutorConfig, add_executor_arguments
 from .runner import ModelRunner
-from .step_types import HeldTables, SampledToken, SamplingParams, SequenceInput, StepInput, new_row
+from .step_types import HeldInputs, SampledToken, SamplingParams, SequenceInput, StepInput, new_row
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 
 
-def step_from_proto(r: pb.ExecuteRequest) -> StepInput:
-    """Splits the packed arrays into sequences; InvalidRequest when their lengths disagree."""
+def step_from_proto(r: pb.ExecuteRequest, held: HeldInputs | None = None) -> StepInput:
+    """Splits the packed arrays into sequences, with the sampling parameters `held` for them filled in
+    (`sampling_held`; the tables are `held.resolve`'s); InvalidRequest when their lengths disagree."""
     num_seqs = len(r.seq_ids)
     for name in ("num_tokens", "start_positions", "block_table_lens", "sample"):
         if len(getattr(r, name)) != num_seqs:
@@ -42,8 +44,8 @@ def step_from_proto(r: pb.ExecuteRequest) -> StepInput:
     if r.table_held:
         if len(r.table_held) != num_seqs:
             raise InvalidRequest(f"table_held: {len(r.table_held)} entries for {num_seqs} sequences (or none)")
-        bad = next((i for i, (held, n) in enumerate(zip(r.table_held, table_lens, strict=True)) if held and n), None)
-        if bad is not None:
+        if any(map(operator.and_, r.table_held, table_lens)):  # in C; the index only for the error
+            bad = next(i for i, (held, n) in enumerate(zip(r.table_held, table_lens, strict=True)) if held and n)
             raise InvalidRequest(f"block_table_lens[{bad}]: {table_lens[bad]} blocks for a table the executor holds"
                                  " (table_held): must be 0")
     for name, wanted in (("token_ids", sum(num_tokens)), ("slot_mapping", sum(num_tokens)),
@@ -51,14 +53,15 @@ def step_from_proto(r: pb.ExecuteRequest) -> StepInput:
         if len(getattr(r, name)) != wanted:
             raise InvalidRequest(f"{name}: {len(getattr(r, name))} entries, the sequences' lengths add up to {wanted}")
     flags = list(r.sample)
-    num_sampled = sum(flags)
-    for name in ("temperature", "top_k", "top_p", "seed", "num_top_logprobs"):
-        if len(getattr(r, name)) != num_sampled:
-            raise InvalidRequest(f"{name}: {len(getattr(r, name))} entries for {num_sampled} sequences that sample")
+    for name in ("top_k", "top_p", "seed", "num_top_logprobs"):
+        if len(getattr(r, name)) != len(r.temperature):
+            raise InvalidRequest(f"{name}: {len(getattr(r, name))} entries for {len(r.temperature)} temperatures")
     top_p = list(r.top_p)
     if top_p and min(top_p) <= 0:  # unset: off
         top_p = [p if p > 0 else 1.0 for p in top_p]
-    sampled = list(map(SamplingParams, r.temperature, r.top_k, top_p, r.seed, r.num_top_logprobs))
+    sent = list(map(new_row, repeat(SamplingParams),  # checked equally long just above
+                    zip(r.temperature, r.top_k, top_p, r.seed, r.num_top_logprobs, strict=True)))
+    sampled = (held or HeldInputs()).resolve_sampling(list(compress(r.seq_ids, flags)), list(r.sampling_held), sent)
     params: Sequence[SamplingParams | None] = sampled
     if len(sampled) < num_seqs:  # some sequences do not sample (prefill chunks)
         each = iter(sampled)
@@ -70,7 +73,11 @@ def step_from_proto(r: pb.ExecuteRequest) -> StepInput:
         ends = list(accumulate(num_tokens))
         token_lists = [tokens[end - n : end] for n, end in zip(num_tokens, ends, strict=True)]
         slot_lists = [slots[end - n : end] for n, end in zip(num_tokens, ends, strict=True)]
-    table_lists = [tables[end - n : end] for n, end in zip(table_lens, accumulate(table_lens), strict=True)]
+    if tables:
+        table_lists: Sequence[Sequence[int]] = [
+            tables[end - n : end] for n, end in zip(table_lens, accumulate(table_lens), strict=True)]
+    else:  # the steady state: every table held (filled in by `HeldInputs.resolve`)
+        table_lists = [()] * num_seqs
     # columns to rows in C (map over the columns), not one Python pass per sequence
     sequences = list(map(new_row, repeat(SequenceInput),
                          zip(r.seq_ids, token_lists, r.start_positions, table_lists, slot_lists, params, strict=True)))
@@ -115,7 +122,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.info: pb.InfoResponse | None = None
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
         self.epoch = 0
-        self.tables = HeldTables()  # the block tables of the sequences running here (table_held)
+        self.tables = HeldInputs()  # the block tables of the sequences running here (table_held)
 
     async def load(self) -> None:
         """Loads the model and runs the warm-up step on the step thread, off the event loop."""
@@ -167,13 +174,13 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             runner = self.runner
             if runner is None:
                 raise NotReady("the model is still loading")
-            step = step_from_proto(request)
+            step = step_from_proto(request, self.tables)
             if request.epoch != self.epoch:  # UNAVAILABLE: to its sender this executor is lost (restarted, or reset)
                 raise NotReady(f"epoch: the step is of epoch {request.epoch}, the executor's is {self.epoch}")
             step = self.tables.resolve(step, request.table_held, request.table_kept)
         except Exception as exc:
             return _failed(exc), None
-        self.tables.commit(step)
+        self.tables.commit(step, samplings_sent=len(request.temperature) > 0)
         return asyncio.get_running_loop().run_in_executor(self.thread, self._run_step, runner, step, request.epoch,
                                                           stream), step
 

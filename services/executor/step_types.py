@@ -48,12 +48,14 @@ class SequenceInput(NamedTuple):  # a tuple: hundreds are built every step
     seq_id: int
     token_ids: Sequence[int]  # tokens whose KV is computed this step ([LAST_SAMPLED]: not known to the sender)
     start_position: int  # position of token_ids[0]
-    block_table: Sequence[int]  # covers positions [0, start_position + len(token_ids)); see HeldTables
+    block_table: Sequence[int]  # covers positions [0, start_position + len(token_ids)); see HeldInputs
     slot_mapping: Sequence[int]  # one cache slot per token
     sampling: SamplingParams | None = None  # None: no next token wanted (a non-final prefill chunk)
 
 
 _ID_AND_TABLE = operator.itemgetter(0, 3)  # a SequenceInput's (seq_id, block_table)
+_ID_AND_SAMPLING = operator.itemgetter(0, 5)  # its (seq_id, sampling)
+_SAMPLING = operator.itemgetter(1)
 
 
 @dataclass(frozen=True)
@@ -99,23 +101,59 @@ class LastSampled:
         self.tokens = {t.seq_id: t.token_id for t in sampled}
 
 
-class HeldTables:
-    """The block tables a remote executor holds, so that a step names only the tables that changed (the
-    `table_held` field of ExecuteRequest), and of a changed one only its new blocks (`table_kept`). The
-    frontend's side (`sent`) and the executor's (`resolve`, then `commit` as the step is queued) follow the
-    same rules: a table is held from a step sent (on the executor's side: accepted, queued) until its
-    sequence is released or the executor resets. A step that fails voids the steps behind it, and the
-    frontend fails its requests."""
+class HeldInputs:
+    """The block tables and sampling parameters a remote executor holds, so that a step names only the tables
+    that changed (the `table_held` field of ExecuteRequest), and of a changed one only its new blocks
+    (`table_kept`), and sends a sequence's sampling parameters once (`sampling_held`). The frontend's side
+    (`sent`, `sent_sampling`) and the executor's (`resolve`, `resolve_sampling`, then `commit` as the step is
+    queued) follow the same rules: an input is held from a step sent (on the executor's side: accepted,
+    queued) until its sequence is released or the executor resets. A step that fails voids the steps behind
+    it, and the frontend fails its requests."""
 
     def __init__(self) -> None:
         self.tables: dict[int, Sequence[int]] = {}
+        self.samplings: dict[int, SamplingParams] = {}
 
     def clear(self) -> None:
-        self.tables = {}
+        self.tables, self.samplings = {}, {}
 
     def release(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
             self.tables.pop(seq_id, None)
+            self.samplings.pop(seq_id, None)
+
+    def sent_sampling(self, seq_ids: Sequence[int], samplings: Sequence[SamplingParams]) -> list[bool]:
+        """The sender's side, for the sequences that sample: whether the executor holds these very parameters (a
+        sequence keeps one object for its life), which are then left out; the others are held from now on."""
+        held = self.samplings
+        mask = list(map(operator.is_, map(held.get, seq_ids), samplings))  # in C: every sequence, every step
+        if not all(mask):
+            held.update(compress(zip(seq_ids, samplings, strict=True), map(operator.not_, mask)))
+        return mask
+
+    def resolve_sampling(self, seq_ids: Sequence[int], held: Sequence[bool],
+                         sent: Sequence[SamplingParams]) -> list[SamplingParams]:
+        """The executor's side: the parameters of the sequences that sample (`seq_ids`), the held ones filled in
+        among those `sent` (InvalidRequest for one not held). Changes nothing: `commit` records them."""
+        if held and len(held) != len(seq_ids):
+            raise InvalidRequest(f"sampling_held: {len(held)} entries for {len(seq_ids)} sequences that sample (or "
+                                 "none)")
+        wanted = held.count(False) if held else len(seq_ids)
+        if len(sent) != wanted:
+            raise InvalidRequest(f"temperature: {len(sent)} entries for {wanted} sequences that sample"
+                                 + (" and whose sampling_held is false" if held else ""))
+        if not held:
+            return list(sent)
+        samplings = self.samplings
+        try:
+            if all(held):  # the steady state
+                return list(map(samplings.__getitem__, seq_ids))
+            each = iter(sent)
+            return [samplings[seq_id] if is_held else next(each) for seq_id, is_held in zip(seq_ids, held, strict=True)]
+        except KeyError:
+            i = next(i for i, seq_id in enumerate(seq_ids) if held[i] and seq_id not in samplings)
+            raise InvalidRequest(f"sampling_held[{i}]: this executor holds no sampling parameters for sequence "
+                                 f"{seq_ids[i]} (send them)") from None
 
     def sent(self, seq_ids: Sequence[int], tables: Sequence[Sequence[int]]) -> tuple[list[bool], list[int]]:
         """The sender's side: for each sequence of a step, whether the executor holds this very table (tables
@@ -172,8 +210,12 @@ class HeldTables:
             seq_ids, token_ids, starts, filled, slots, sampling, strict=True)))
         return replace(step, sequences=sequences)
 
-    def commit(self, step: StepInput) -> None:
+    def commit(self, step: StepInput, samplings_sent: bool = True) -> None:
+        """Records the step's inputs as held; its sampling parameters only where some were sent (else every one
+        was held already)."""
         self.tables.update(map(_ID_AND_TABLE, step.sequences))
+        if samplings_sent:
+            self.samplings.update(filter(_SAMPLING, map(_ID_AND_SAMPLING, step.sequences)))
         self.release(step.released_seq_ids)
 
 

@@ -19,7 +19,7 @@ from pagedserve.protos import executor_pb2_grpc as pb_grpc
 from pagedserve.services.common.processes import ServiceProcess, running_service, start_service, stop_service
 from pagedserve.services.executor.client import step_to_proto, tokens_from_proto
 from pagedserve.services.executor.step_types import (
-    HeldTables,
+    HeldInputs,
     SampledToken,
     SamplingParams,
     SequenceInput,
@@ -103,7 +103,7 @@ def test_prefill_then_decode_match_hf_greedy(stub: OneStepStub, tiny_llama_dir: 
 def test_a_held_block_table_is_used_until_released_or_reset(stub: OneStepStub) -> None:
     """The frontend's client sends a sequence's table only when it changed (`table_held`); the executor uses
     the one it holds, and forgets it when the sequence is released or the executor resets."""
-    sender, table, prompt = HeldTables(), [12, 13], [5, 17, 42, 8, 9, 60]
+    sender, table, prompt = HeldInputs(), [12, 13], [5, 17, 42, 8, 9, 60]
     first = step_to_proto(StepInput([seq_step(40, prompt, 0, table)]), held=sender)
     assert list(first.table_held) == [False] and list(first.block_tables) == table
     token = tokens(stub.Execute(first))[0].token_id
@@ -119,7 +119,7 @@ def test_a_held_block_table_is_used_until_released_or_reset(stub: OneStepStub) -
     assert gone.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "holds no block table" in gone.value.details()
     stub.Execute(step(seq_step(41, prompt, 0, table)))  # held from here on, until the Reset
     stub.Reset(pb.ResetRequest(epoch=0))
-    held_41 = step_to_proto(StepInput([seq_step(41, [token], 6, table)]), held=HeldTables())
+    held_41 = step_to_proto(StepInput([seq_step(41, [token], 6, table)]), held=HeldInputs())
     held_41.table_held[:] = [True]
     del held_41.block_tables[:]
     held_41.block_table_lens[:] = [0]
@@ -131,7 +131,7 @@ def test_a_held_block_table_is_used_until_released_or_reset(stub: OneStepStub) -
 def test_a_grown_table_sends_only_its_new_blocks(stub: OneStepStub) -> None:
     """A decode's table that grew by a block (or had its tail copied on write) goes as the blocks it adds to the
     table the executor holds (`table_kept`), and runs as the whole table would."""
-    sender, prompt, table = HeldTables(), [5, 17, 42, 8, 9, 60, 3, 11], [12, 13]  # two full blocks of 4
+    sender, prompt, table = HeldInputs(), [5, 17, 42, 8, 9, 60, 3, 11], [12, 13]  # two full blocks of 4
     token = tokens(stub.Execute(step_to_proto(StepInput([seq_step(43, prompt, 0, table)]), held=sender)))[0].token_id
     grown = [*table, 14]  # position 8 starts a third block
     delta = step_to_proto(StepInput([seq_step(43, [token], 8, grown)]), held=sender)

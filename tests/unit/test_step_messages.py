@@ -4,15 +4,18 @@ sampling and not, over a run of steps in which tables change, are held and are r
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.protos import executor_pb2 as pb
+from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.executor.client import step_to_proto, tokens_from_proto
 from pagedserve.services.executor.server import step_from_proto, tokens_to_proto
 from pagedserve.services.executor.step_types import (
+    GREEDY,
     LAST_SAMPLED,
-    HeldTables,
+    HeldInputs,
     SampledToken,
     SamplingParams,
     SequenceInput,
@@ -27,18 +30,23 @@ sampling = st.builds(SamplingParams, st.sampled_from([0.0, 0.5, 1.25]), st.integ
 @st.composite
 def steps(draw: st.DrawFn) -> list[StepInput]:
     """A run of steps over a few sequences; a sequence keeps its table object until it changes (as the
-    scheduler does: replaced, never changed in place), and some are released."""
+    scheduler does: replaced, never changed in place), and its sampling parameters object mostly (a request's
+    never change, but another object may come), and some are released."""
     num_seqs = draw(st.integers(0, 6))
     tables: dict[int, list[int]] = {seq_id: draw(st.lists(st.integers(0, 999), max_size=6)) for seq_id in
                                     range(1, num_seqs + 1)}
+    samplings = {seq_id: draw(sampling) for seq_id in tables}
     run = []
     for step_id in range(1, draw(st.integers(1, 5)) + 1):
         sequences, released = [], []
         for seq_id in list(tables):
             if draw(st.integers(0, 9)) == 0:
                 released.append(seq_id)
-                del tables[seq_id]
-                continue
+                if draw(st.booleans()):
+                    del tables[seq_id]
+                    continue
+                # freed and admitted again in the same step (a preemption by recompute): it runs, then holds nothing
+                tables[seq_id] = list(tables[seq_id])
             change = draw(st.sampled_from(["none", "grow", "copy tail", "replace"]))
             if change == "grow":
                 tables[seq_id] = tables[seq_id] + draw(st.lists(st.integers(0, 999), min_size=1, max_size=2))
@@ -50,8 +58,10 @@ def steps(draw: st.DrawFn) -> list[StepInput]:
             tokens = [draw(st.sampled_from([LAST_SAMPLED, 7]))] if decode else draw(
                 st.lists(st.integers(0, 4000), min_size=1, max_size=5))
             slots = draw(st.lists(st.integers(-1, 9999), min_size=len(tokens), max_size=len(tokens)))
+            if draw(st.integers(0, 4)) == 0:
+                samplings[seq_id] = draw(sampling)  # another object, equal or not
             sequences.append(SequenceInput(seq_id, tokens, draw(st.integers(0, 2000)), tables[seq_id], slots,
-                                           draw(st.none() | sampling)))
+                                           draw(st.sampled_from([None, samplings[seq_id]]))))
         run.append(StepInput(sequences, step_id=step_id, released_seq_ids=released))
     return run
 
@@ -64,11 +74,13 @@ def as_lists(step: StepInput) -> list[tuple[object, ...]]:
 @settings(max_examples=150, deadline=None)
 @given(steps())
 def test_the_executor_runs_the_step_the_frontend_sent(run: list[StepInput]) -> None:
-    sender, receiver = HeldTables(), HeldTables()
+    sender, receiver = HeldInputs(), HeldInputs()
     sent: dict[int, object] = {}  # the table object each sequence last sent
+    sent_sampling: dict[int, object] = {}  # and its sampling parameters
     for step in run:
         request = pb.ExecuteRequest.FromString(step_to_proto(step, 3, sender).SerializeToString())
-        received = receiver.resolve(step_from_proto(request), list(request.table_held), list(request.table_kept))
+        received = receiver.resolve(step_from_proto(request, receiver), list(request.table_held),
+                                    list(request.table_kept))
         receiver.commit(received)
         assert as_lists(received) == as_lists(step)
         assert (received.step_id, list(received.released_seq_ids)) == (step.step_id, list(step.released_seq_ids))
@@ -92,9 +104,16 @@ def test_the_executor_runs_the_step_the_frontend_sent(run: list[StepInput]) -> N
             else:
                 assert k == 0
             assert n == len(s.block_table) - k
+        # parameters are left out exactly when the same object went in an earlier step (none held: the field empty)
+        sampled = [s for s in step.sequences if s.sampling is not None]
+        held = [sent_sampling.get(s.seq_id) is s.sampling for s in sampled]
+        assert list(request.sampling_held) == (held if any(held) else [])
+        assert len(request.temperature) == held.count(False)
         sent.update({s.seq_id: s.block_table for s in step.sequences})
+        sent_sampling.update({s.seq_id: s.sampling for s in sampled})
         for seq_id in step.released_seq_ids:
             sent.pop(seq_id, None)
+            sent_sampling.pop(seq_id, None)
 
 
 @settings(max_examples=100, deadline=None)
@@ -112,8 +131,39 @@ def test_sampled_tokens_come_back_as_sampled(rows: list[tuple[int, int, float, l
 def test_a_kept_prefix_without_held_tables_touches_only_its_sequence() -> None:
     """`table_kept` alone (no `table_held`): the sequence with a kept count gets the held prefix in front of its
     blocks; one with 0 keeps its own table, held or not."""
-    receiver = HeldTables()
+    receiver = HeldInputs()
     receiver.tables = {1: [10, 11, 12]}
     step = StepInput([SequenceInput(1, [5], 12, [13], [52], None), SequenceInput(2, [6], 0, [20], [80], None)])
     resolved = receiver.resolve(step, (), [3, 0])
     assert [list(s.block_table) for s in resolved.sequences] == [[10, 11, 12, 13], [20]]
+
+
+def test_sampling_parameters_are_sent_once_and_refused_when_not_held() -> None:
+    params = SamplingParams(0.5, 40, 0.875, 2**40 + 3, 2)
+    sender, receiver = HeldInputs(), HeldInputs()
+
+    def decode(seq_id: int, position: int, sampling: SamplingParams | None = params) -> SequenceInput:
+        return SequenceInput(seq_id, [LAST_SAMPLED], position, [3], [12 + position], sampling)
+
+    for step_id, position in ((1, 0), (2, 1)):
+        request = step_to_proto(StepInput([decode(7, position)], step_id=step_id), held=sender)
+        received = step_from_proto(request, receiver)
+        receiver.commit(received)
+        assert received.sequences[0].sampling == params
+    assert (list(request.sampling_held), list(request.temperature)) == ([True], [])  # the second time: held
+    # another sequence joins: its parameters follow, the held ones do not
+    mixed = step_to_proto(StepInput([decode(7, 2), decode(8, 0, GREEDY)], step_id=3), held=sender)
+    assert (list(mixed.sampling_held), list(mixed.top_k)) == ([True, False], [GREEDY.top_k])
+    assert [s.sampling for s in step_from_proto(mixed, receiver).sequences] == [params, GREEDY]
+    # an executor that holds none (restarted): refused, naming the sequence; so is a field of the wrong length
+    with pytest.raises(InvalidRequest, match=r"sampling_held\[0\]: this executor holds no sampling parameters for "
+                                             "sequence 7"):
+        step_from_proto(request, HeldInputs())
+    del mixed.sampling_held[:]
+    mixed.sampling_held.extend([True])
+    with pytest.raises(InvalidRequest, match="sampling_held: 1 entries for 2 sequences that sample"):
+        step_from_proto(mixed, receiver)
+    # released: sent again
+    sender.release([7])
+    again = step_to_proto(StepInput([decode(7, 3)], step_id=4), held=sender)
+    assert (list(again.sampling_held), list(again.seed)) == ([], [params.seed])
