@@ -122,7 +122,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.info: pb.InfoResponse | None = None
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
         self.epoch = 0
-        self.tables = HeldInputs()  # the block tables of the sequences running here (table_held)
+        self.tables = HeldInputs()  # the block tables and sampling parameters of the sequences running here
 
     async def load(self) -> None:
         """Loads the model and runs the warm-up step on the step thread, off the event loop."""
