@@ -35,19 +35,19 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldInputs | None = Non
             table_kept = kept if any(kept) else ()
     sampled = list(filter(None, samplings))  # the SamplingParams of those that sample (a tuple, never empty)
     sampling_held: Sequence[bool] = ()
-    sent_sampling: Iterable[SamplingParams] = sampled
+    sent_sampling: Sequence[SamplingParams] = sampled
     if held is not None and sampled:
         sampling_held = held.sent_sampling(list(compress(seq_ids, samplings)), sampled)
         if all(sampling_held):  # the steady state: none follow
-            sent_sampling = ()
+            sent_sampling = []
         elif any(sampling_held):
             sent_sampling = list(compress(sampled, map(operator.not_, sampling_held)))
         else:
             sampling_held = ()  # all follow: the empty field says so
     if held is not None:  # after this step's inputs are recorded, as the executor does (`HeldInputs.commit`): a
         held.release(step.released_seq_ids)  # sequence freed and admitted again in one step holds nothing after
-    columns = list(sent_sampling)
-    temperature, top_k, top_p, seed, num_top_logprobs = zip(*columns, strict=True) if columns else ((),) * 5
+    temperature, top_k, top_p, seed, num_top_logprobs = (
+        zip(*sent_sampling, strict=True) if sent_sampling else ((),) * 5)
     return pb.ExecuteRequest(
         swap_out=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_out],
         swap_in=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_in],
