@@ -6,7 +6,10 @@ the block tables (cached prefix, earlier chunks and the chunk itself alike).
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -34,11 +37,34 @@ class AttentionMetadata:
         return int(self.decode_seq_lens.shape[0])
 
 
+def int_tensor(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D int32 or int64 tensor of `values`, copied in C: `torch.tensor` of a list inspects every element
+    (~0.35 µs each here: a step's 256 block tables of 20 blocks took ~1 ms), `array` packs them in ~10 ns."""
+    if not values:
+        return torch.empty(0, dtype=dtype, device=device)
+    packed = torch.frombuffer(array("i" if dtype == torch.int32 else "q", values), dtype=dtype)
+    return packed if device.type == "cpu" else packed.to(device)
+
+
+def padded_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """[len(tables), longest] int32, each table's blocks then zeros: one flat copy and one masked fill, not a
+    padded list per row."""
+    lengths = list(map(len, tables))
+    width = max(lengths, default=0) or 1
+    flat = int_tensor(list(chain.from_iterable(tables)), torch.int32, torch.device("cpu"))
+    if len(flat) == width * len(tables):  # every table as long as the longest: no padding
+        padded = flat.view(len(tables), width)
+    else:
+        padded = torch.zeros(len(tables), width, dtype=torch.int32)
+        padded[torch.arange(width) < int_tensor(lengths, torch.int64, torch.device("cpu"))[:, None]] = flat
+    return padded if device.type == "cpu" else padded.to(device)
+
+
 def build_attention_metadata(
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_tables: list[list[int]],
-    slot_mapping: list[int],
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    slot_mapping: Sequence[int],
     device: torch.device,
     *,
     gather_geometry: tuple[int, int, int] | None = None,
@@ -49,19 +75,13 @@ def build_attention_metadata(
     cache through a `DecodeGather` planned here once, not once per layer."""
     num_prefills = sum(1 for q in query_lens if q > 1)
     assert all(q > 1 for q in query_lens[:num_prefills]), "multi-token chunks must precede single tokens"
-    max_blocks = max((len(t) for t in block_tables), default=0) or 1
-
-    def table(rows: list[list[int]]) -> torch.Tensor:
-        padded = [row + [0] * (max_blocks - len(row)) for row in rows]
-        return torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(rows), max_blocks)
-
-    prefill_q = query_lens[:num_prefills]
+    prefill_q = list(query_lens[:num_prefills])
     cu = [0]
     for q in prefill_q:
         cu.append(cu[-1] + q)
-    decode_lens = seq_lens[num_prefills:]
-    decode_block_tables = table(block_tables[num_prefills:])
-    decode_seq_lens = torch.tensor(decode_lens, dtype=torch.int32, device=device)
+    decode_lens = list(seq_lens[num_prefills:])
+    decode_block_tables = padded_tables(block_tables[num_prefills:], device)
+    decode_seq_lens = int_tensor(decode_lens, torch.int32, device)
     max_decode_seq_len = max(decode_lens, default=0)
     gather = None
     if gather_geometry is not None and decode_lens:
@@ -69,11 +89,11 @@ def build_attention_metadata(
         gather = decode_gather(decode_block_tables, decode_seq_lens, block_size, num_kv_heads, max_decode_seq_len,
                                num_heads)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        slot_mapping=int_tensor(slot_mapping, torch.int64, device),
         num_prefill_tokens=cu[-1],
-        prefill_block_tables=table(block_tables[:num_prefills]),
-        prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-        prefill_seq_lens=torch.tensor(seq_lens[:num_prefills], dtype=torch.int32, device=device),
+        prefill_block_tables=padded_tables(block_tables[:num_prefills], device),
+        prefill_cu_seqlens_q=int_tensor(cu, torch.int32, device),
+        prefill_seq_lens=int_tensor(seq_lens[:num_prefills], torch.int32, device),
         max_prefill_query_len=max(prefill_q, default=0),
         decode_block_tables=decode_block_tables,
         decode_seq_lens=decode_seq_lens,

@@ -10,15 +10,17 @@ releases the sequences the block manager freed, and attention is dense over each
 
 from __future__ import annotations
 
+import _operator as operator  # the standard library's (this package has an `operator` of its own)
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import chain, compress, repeat
 
 import torch
 
 from ...kernels import KernelBackend, swap_blocks
 from ...kernels.linear_ops import linear_packed
 from ..common.errors import InvalidRequest
-from .attention import build_attention_metadata
+from .attention import build_attention_metadata, int_tensor
 from .dense_attention import DenseLayer, build_dense_metadata
 from .model.config import ModelConfig
 from .model.llama import KVCache, LlamaForCausalLM, Metadata
@@ -98,10 +100,76 @@ class ModelRunner:
             self.sequence_kv.reset()
 
     def validate(self, step: StepInput) -> None:
-        """Raises InvalidRequest naming the field; nothing has changed when it does."""
+        """Raises InvalidRequest naming the field; nothing has changed when it does. Every step's sequences are
+        checked as columns (C loops over the step); only one that fails there is walked sequence by sequence,
+        for the error that names the field."""
+        seqs = step.sequences
+        if seqs and not self._columns_valid(seqs, step.step_id):
+            self._check_each(seqs, step.step_id)
+        checked = self._checked_tables.tables
+        new_tables = list(map(operator.is_not, map(checked.get, map(_SEQ_ID, seqs)), map(_TABLE, seqs)))
+        for i in compress(range(len(seqs)), new_tables):  # O(table) per sequence: only a new table
+            _check_ids(seqs[i].block_table, self.num_blocks, f"sequences[{i}].block_table")
+        if self.sequence_kv is not None:
+            moves = next((name for name in ("swap_out", "swap_in", "copies") if getattr(step, name)), None)
+            if moves is not None:
+                raise InvalidRequest(f"{moves}: a per-sequence KV layout shares no blocks and has no swap pool")
+            self.sequence_kv.check(seqs, step.released_seq_ids)
+        for name, pairs, src_limit, dst_limit in (
+            ("swap_out", step.swap_out, self.num_blocks, self.num_cpu_blocks),
+            ("swap_in", step.swap_in, self.num_cpu_blocks, self.num_blocks),
+            ("copies", step.copies, self.num_blocks, self.num_blocks),
+        ):
+            for j, (src, dst) in enumerate(pairs):
+                if not (0 <= src < src_limit and 0 <= dst < dst_limit):
+                    raise InvalidRequest(f"{name}[{j}]: block ({src} -> {dst}) outside the cache")
+        self._checked_tables.commit(step, samplings_sent=False)  # the step is valid: its tables are checked
+
+    def _columns_valid(self, seqs: Sequence[SequenceInput], step_id: int) -> bool:
+        """Whether every rule of `_check_each` but the block ids holds, tested over the step's columns: True only
+        when `_check_each` would pass."""
+        seq_ids, token_lists, starts, tables, slot_lists, samplings = zip(*seqs, strict=True)
+        num_tokens = list(map(len, token_lists))
+        if len(set(seq_ids)) != len(seq_ids) or min(num_tokens) < 1 or list(map(len, slot_lists)) != num_tokens:
+            return False
+        ends = list(map(operator.add, starts, num_tokens))
+        bs = self.block_size
+        if max(ends) > self.max_model_len or not all(map(operator.le, ends, map(operator.mul, map(len, tables),
+                                                                                   repeat(bs)))):
+            return False
+        tokens = list(chain.from_iterable(token_lists))
+        if max(tokens) >= self.config.vocab_size:
+            return False
+        if min(tokens) < 0:  # only LAST_SAMPLED, each a decode's one token, of a sequence the last step sampled
+            decoding = list(map(operator.eq, token_lists, repeat([LAST_SAMPLED])))
+            last = self.last_sampled
+            if (min(tokens) < LAST_SAMPLED or tokens.count(LAST_SAMPLED) != decoding.count(True) or step_id == 0
+                    or step_id != last.step_id + 1 or not all(map(last.tokens.__contains__,
+                                                                  compress(seq_ids, decoding)))):
+                return False
+        if max(num_tokens) == 1:  # each token's slot is in its block: table[pos // bs] * bs + pos % bs
+            positions: Iterable[int] = starts
+            token_tables: Iterable[Sequence[int]] = tables
+        else:
+            positions = chain.from_iterable(map(range, starts, ends))
+            token_tables = chain.from_iterable(map(repeat, tables, num_tokens))
+        positions = list(positions)
+        blocks = map(operator.getitem, token_tables, map(operator.floordiv, positions, repeat(bs)))
+        in_block = map(operator.add, map(operator.mul, blocks, repeat(bs)), map(operator.mod, positions, repeat(bs)))
+        if not all(map(operator.eq, in_block, chain.from_iterable(slot_lists))):
+            return False
+        sampled = list(filter(None, samplings))
+        if sampled:  # `0.0 <= x` is False for NaN, as the per-sequence check's comparisons are
+            temperature, top_k, top_p, _, num_top_logprobs = zip(*sampled, strict=True)
+            return (all(map((0.0).__le__, temperature)) and min(top_k) >= 0 and all(map((0.0).__le__, top_p))
+                    and all(map((1.0).__ge__, top_p)) and max(num_top_logprobs) <= MAX_TOP_LOGPROBS)
+        return True
+
+    def _check_each(self, seqs: Sequence[SequenceInput], step_id: int) -> None:
+        """The step's rules sequence by sequence, in order: raises InvalidRequest for the first one broken."""
         vocab, bs, checked = self.config.vocab_size, self.block_size, self._checked_tables.tables
         seen = set()
-        for i, seq in enumerate(step.sequences):
+        for i, seq in enumerate(seqs):
             at = f"sequences[{i}]"
             if seq.seq_id in seen:
                 raise InvalidRequest(f"{at}.seq_id: sequence {seq.seq_id} appears twice in the step")
@@ -110,7 +178,7 @@ class ModelRunner:
                 raise InvalidRequest(f"{at}.token_ids: must not be empty")
             known_tokens = seq.token_ids
             if LAST_SAMPLED in seq.token_ids:
-                self.last_sampled.check(step.step_id, seq.seq_id, seq.token_ids, f"{at}.token_ids")
+                self.last_sampled.check(step_id, seq.seq_id, seq.token_ids, f"{at}.token_ids")
                 known_tokens = []
             bad = next((t for t in known_tokens if not 0 <= t < vocab), None)
             if bad is not None:
@@ -138,20 +206,6 @@ class ModelRunner:
                     raise InvalidRequest(f"{at}.sampling: temperature >= 0, 0 <= top_p <= 1, top_k >= 0 required")
                 if s.num_top_logprobs > MAX_TOP_LOGPROBS:
                     raise InvalidRequest(f"{at}.sampling.num_top_logprobs: at most {MAX_TOP_LOGPROBS}")
-        if self.sequence_kv is not None:
-            moves = next((name for name in ("swap_out", "swap_in", "copies") if getattr(step, name)), None)
-            if moves is not None:
-                raise InvalidRequest(f"{moves}: a per-sequence KV layout shares no blocks and has no swap pool")
-            self.sequence_kv.check(step.sequences, step.released_seq_ids)
-        for name, pairs, src_limit, dst_limit in (
-            ("swap_out", step.swap_out, self.num_blocks, self.num_cpu_blocks),
-            ("swap_in", step.swap_in, self.num_cpu_blocks, self.num_blocks),
-            ("copies", step.copies, self.num_blocks, self.num_blocks),
-        ):
-            for j, (src, dst) in enumerate(pairs):
-                if not (0 <= src < src_limit and 0 <= dst < dst_limit):
-                    raise InvalidRequest(f"{name}[{j}]: block ({src} -> {dst}) outside the cache")
-        self._checked_tables.commit(step, samplings_sent=False)  # the step is valid: its tables are checked
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> list[SampledToken]:
@@ -165,22 +219,26 @@ class ModelRunner:
         seqs = _prefills_first(step.sequences)
         input_ids, positions, meta = self._build_batch(seqs, last_sampled)
         hidden = self.model(input_ids, positions, meta, self._layer_caches)  # [num_tokens, hidden]
-        wanted = [i for i, s in enumerate(seqs) if s.sampling is not None]
+        seq_ids, token_lists, starts, _, _, samplings = zip(*seqs, strict=True)
+        num_tokens = list(map(len, token_lists))
+        next_positions = list(map(operator.add, starts, num_tokens))  # of each sequence's next token
+        wanted = list(compress(range(len(seqs)), samplings))  # a SamplingParams is a non-empty tuple
         if not wanted:
             return []
-        if len(wanted) < hidden.shape[0]:  # some rows are not last tokens, or not sampled: keep the others
-            ends = list(itertools.accumulate(len(s.token_ids) for s in seqs))
+        if len(wanted) < len(seqs):  # prefill chunks that sample nothing
+            ends = list(itertools.accumulate(num_tokens))
             hidden = hidden[torch.tensor([ends[i] - 1 for i in wanted], device=self.device)]
+            seq_ids, samplings = tuple(seq_ids[i] for i in wanted), tuple(samplings[i] for i in wanted)
+            next_positions = [next_positions[i] for i in wanted]
+        elif len(seqs) < hidden.shape[0]:  # every sequence samples, some after a chunk: its last row
+            hidden = hidden[torch.tensor([end - 1 for end in itertools.accumulate(num_tokens)], device=self.device)]
         logits = self.model.compute_logits(hidden, out=self._logits_buffer(len(wanted)))  # [n, vocab]
-        sampled = sample(
-            logits,
-            [seqs[i].sampling for i in wanted],  # type: ignore[misc]
-            [seqs[i].start_position + len(seqs[i].token_ids) for i in wanted],
-            [seqs[i].seq_id for i in wanted],
-            first_max_and_log_sum=self.backend.first_max_and_log_sum,
-        )
-        by_id = {t.seq_id: t for t in sampled}
+        sampled = sample(logits, list(samplings), next_positions, list(seq_ids),
+                         first_max_and_log_sum=self.backend.first_max_and_log_sum)
         self.last_sampled.record(sampled)
+        if seqs is step.sequences:  # in the step's order already (no chunk moved ahead)
+            return sampled
+        by_id = {t.seq_id: t for t in sampled}
         return [by_id[s.seq_id] for s in step.sequences if s.sampling is not None]
 
     def _build_batch(
@@ -188,30 +246,34 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, Metadata]:
         """The flat token batch of `seqs` (prefill chunks first): input ids and positions [num_tokens] int64,
         and the attention metadata, each tensor made from one Python list."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for seq in seqs:
-            start, num_tokens = seq.start_position, len(seq.token_ids)
-            if num_tokens == 1:  # a decode: no ranges to build
-                token = seq.token_ids[0]
-                input_ids.append(token if token != LAST_SAMPLED else last_sampled[seq.seq_id])
-                positions.append(start)
-                slots.append(seq.slot_mapping[0])
-            else:
-                input_ids.extend(seq.token_ids)
-                positions.extend(range(start, start + num_tokens))
-                slots.extend(seq.slot_mapping)
-        ids_and_positions = torch.tensor([input_ids, positions], device=self.device)  # [2, num_tokens] int64
+        seq_ids, token_lists, starts, tables, slot_lists, _ = zip(*seqs, strict=True)
+        num_tokens = list(map(len, token_lists))
+        if max(num_tokens) == 1:  # decodes only, by columns
+            input_ids = list(map(_FIRST, token_lists))
+            if LAST_SAMPLED in input_ids:
+                input_ids = [last_sampled[seq_id] if token == LAST_SAMPLED else token
+                             for seq_id, token in zip(seq_ids, input_ids, strict=True)]
+            positions = list(starts)
+            slots = list(map(_FIRST, slot_lists))
+        else:
+            input_ids, positions, slots = [], [], []
+            for seq_id, tokens, start, slot_list in zip(seq_ids, token_lists, starts, slot_lists, strict=True):
+                if len(tokens) == 1:  # a decode: its token may be the one the last step sampled
+                    input_ids.append(tokens[0] if tokens[0] != LAST_SAMPLED else last_sampled[seq_id])
+                    positions.append(start)
+                else:
+                    input_ids.extend(tokens)
+                    positions.extend(range(start, start + len(tokens)))
+                slots.extend(slot_list)
+        ids_and_positions = int_tensor(input_ids + positions, torch.int64, self.device).view(2, -1)
         if self.sequence_kv is not None:
             regions = [self.sequence_kv.region_for(s) for s in seqs]
-            dense = build_dense_metadata(regions, [s.start_position for s in seqs], [len(s.token_ids) for s in seqs],
-                                         self.device)
+            dense = build_dense_metadata(regions, list(starts), num_tokens, self.device)
             return ids_and_positions[0], ids_and_positions[1], dense
         meta = build_attention_metadata(
-            [len(s.token_ids) for s in seqs],
-            [s.start_position + len(s.token_ids) for s in seqs],
-            [list(s.block_table) for s in seqs],
+            num_tokens,
+            list(map(operator.add, starts, num_tokens)),
+            tables,
             slots,
             self.device,
             gather_geometry=self._gather_geometry,
@@ -244,10 +306,17 @@ class ModelRunner:
             self.backend.copy_blocks([c for kv in self.kv_caches for c in kv], mapping)
 
 
-def _prefills_first(sequences: Sequence[SequenceInput]) -> list[SequenceInput]:
-    """Multi-token chunks first, then single tokens (the layout AttentionMetadata expects), each in step order."""
-    if all(len(s.token_ids) == 1 for s in sequences):
-        return list(sequences)
+_SEQ_ID = operator.itemgetter(0)  # a SequenceInput's
+_TABLE = operator.itemgetter(3)
+_TOKENS = operator.itemgetter(1)
+_FIRST = operator.itemgetter(0)  # of a one-token list
+
+
+def _prefills_first(sequences: Sequence[SequenceInput]) -> Sequence[SequenceInput]:
+    """Multi-token chunks first, then single tokens (the layout AttentionMetadata expects), each in step order;
+    the step's own sequences when there is no chunk to move."""
+    if max(map(len, map(_TOKENS, sequences))) == 1:
+        return sequences
     return sorted(sequences, key=lambda s: len(s.token_ids) == 1)
 
 

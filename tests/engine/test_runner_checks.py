@@ -1,17 +1,28 @@
 """The runner checks a sequence's block table only when it changes (a new object), never trusting one that a
-refused step brought, and forgets what it checked at a release or a reset."""
+refused step brought, and forgets what it checked at a release or a reset. It checks a step's sequences as
+columns, and walks them one by one only for the error of a step that fails there."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.executor.engine_config import build_runner
 from pagedserve.services.executor.options import ExecutorConfig
 from pagedserve.services.executor.runner import ModelRunner
-from pagedserve.services.executor.step_types import GREEDY, SequenceInput, StepInput
+from pagedserve.services.executor.step_types import (
+    GREEDY,
+    LAST_SAMPLED,
+    SampledToken,
+    SamplingParams,
+    SequenceInput,
+    StepInput,
+)
 
 BS = 4
 
@@ -53,3 +64,87 @@ def test_release_and_reset_forget_the_checked_tables(runner: ModelRunner) -> Non
     table.append(99)  # changed in place, against the contract: a reset runner checks it again all the same
     with pytest.raises(InvalidRequest, match="block_table: 99 outside"):
         runner.execute(decode(3, 0, table))
+
+
+# One way to break a well-formed step's sequence each; the walk (`_check_each`) names every one of them.
+BREAKS = ["seq_id", "empty", "token", "negative token", "last_sampled in a chunk", "unsampled", "step_id", "context",
+          "table", "slot", "slots", "temperature", "nan", "top_p", "top_k", "top_logprobs"]
+
+
+@st.composite
+def checked_steps(draw: st.DrawFn, vocab: int, max_len: int) -> tuple[list[SequenceInput], int, dict[int, int], str]:
+    """A well-formed step of decodes (some of them LAST_SAMPLED) and prefill chunks, the step before's sampled
+    tokens, and how one sequence was broken ("" for none)."""
+    sampled_before = {seq_id: 3 for seq_id in draw(st.sets(st.integers(1, 12), max_size=6))}
+    seqs = []
+    for seq_id in draw(st.lists(st.integers(1, 12), min_size=1, max_size=6, unique=True)):
+        if seq_id in sampled_before and draw(st.booleans()):
+            tokens = [LAST_SAMPLED]
+        else:
+            tokens = draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=5))
+        start = draw(st.integers(0, max_len - len(tokens)))
+        end = start + len(tokens)
+        table = draw(st.lists(st.integers(0, 15), min_size=-(-end // BS), max_size=-(-end // BS) + 2))
+        slots = [table[p // BS] * BS + p % BS for p in range(start, end)]
+        sampling = draw(st.one_of(st.none(), st.builds(
+            SamplingParams, st.floats(0, 2), st.integers(0, 50), st.floats(0, 1), st.integers(0, 99),
+            st.integers(0, 20))))
+        seqs.append(SequenceInput(seq_id, tokens, start, table, slots, sampling))
+    step_id, broken = 8, draw(st.sampled_from(["", *BREAKS]))
+    i = draw(st.integers(0, len(seqs) - 1))
+    s = seqs[i]
+    sampling = s.sampling or GREEDY
+    match broken:
+        case "seq_id":
+            seqs.append(seqs[0])
+        case "empty":
+            seqs[i] = s._replace(token_ids=[], slot_mapping=[])
+        case "token":
+            seqs[i] = s._replace(token_ids=[vocab] * len(s.token_ids))
+        case "negative token":
+            seqs[i] = s._replace(token_ids=[-2] * len(s.token_ids))
+        case "last_sampled in a chunk":
+            seqs[i] = s._replace(token_ids=[LAST_SAMPLED, 5], slot_mapping=[*s.slot_mapping, 0])
+        case "unsampled":  # the step before sampled nothing for it
+            seqs[i] = s._replace(seq_id=99, token_ids=[LAST_SAMPLED], slot_mapping=s.slot_mapping[:1])
+        case "step_id":
+            step_id = 9
+        case "context":
+            seqs[i] = s._replace(start_position=max_len)
+        case "table":
+            end = s.start_position + len(s.token_ids)
+            seqs[i] = s._replace(block_table=list(s.block_table)[: -(-end // BS) - 1])  # a block short
+        case "slot":
+            seqs[i] = s._replace(slot_mapping=[slot + 1 for slot in s.slot_mapping])
+        case "slots":
+            seqs[i] = s._replace(slot_mapping=[*s.slot_mapping, 0])
+        case "temperature":
+            seqs[i] = s._replace(sampling=sampling._replace(temperature=-0.5))
+        case "nan":
+            seqs[i] = s._replace(sampling=sampling._replace(top_p=math.nan))
+        case "top_p":
+            seqs[i] = s._replace(sampling=sampling._replace(top_p=1.5))
+        case "top_k":
+            seqs[i] = s._replace(sampling=sampling._replace(top_k=-1))
+        case "top_logprobs":
+            seqs[i] = s._replace(sampling=sampling._replace(num_top_logprobs=21))
+    return seqs, step_id, sampled_before, broken
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_column_checks_pass_exactly_the_steps_the_walk_passes(runner: ModelRunner, data: st.DataObject) -> None:
+    """The columns pass a step only if the walk would (never a step it refuses), and pass every well-formed one
+    (else each step would take the walk, the slow way)."""
+    runner.reset()
+    seqs, step_id, sampled_before, broken = data.draw(checked_steps(runner.config.vocab_size, runner.max_model_len))
+    runner.last_sampled.start(step_id - 1)
+    runner.last_sampled.record([SampledToken(seq_id, token, 0.0, (), ()) for seq_id, token in sampled_before.items()])
+    try:
+        runner._check_each(seqs, step_id)
+        walk_passes = True
+    except InvalidRequest:
+        walk_passes = False
+    columns_pass = runner._columns_valid(seqs, step_id)
+    assert walk_passes == columns_pass, f"broken: {broken or 'nothing'}; walk {walk_passes}, columns {columns_pass}"
+    assert walk_passes == (broken == "") or broken == "step_id"  # a step without LAST_SAMPLED has no step before
