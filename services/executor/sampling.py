@@ -8,11 +8,13 @@ picks token i with probability p_i.
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import torch
 
 from ...kernels.backend import FirstMaxAndLogSumFn
 from ...kernels.logits_ops import first_max_and_log_sum_ref
-from .step_types import SampledToken, SamplingParams
+from .step_types import SampledToken, SamplingParams, new_row
 
 _GOLDEN = 0x9E3779B97F4A7C15  # decorrelates (seed, position) pairs before they seed a generator
 
@@ -48,8 +50,11 @@ def sample(
         for i, id_row, value_row in zip(top_rows, ids.tolist(), values.tolist(), strict=True):
             n = params[i].num_top_logprobs
             top_ids[i], top_values[i] = id_row[:n], value_row[:n]
+    if not top_rows:  # rows built in C: none asked for alternatives
+        return list(map(new_row, repeat(SampledToken), zip(seq_ids, chosen_ids, chosen_values, repeat(()), repeat(()),
+                                                           strict=False)))
     return [
-        SampledToken(seq_ids[i], chosen_ids[i], chosen_values[i], top_ids.get(i, []), top_values.get(i, []))
+        SampledToken(seq_ids[i], chosen_ids[i], chosen_values[i], top_ids.get(i, ()), top_values.get(i, ()))
         for i in range(len(params))
     ]
 

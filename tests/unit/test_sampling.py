@@ -101,7 +101,7 @@ def test_logprobs_as_log_softmax_gives_them_and_top_logprobs_only_where_asked(ba
     assert tokens[0].token_id == logits[0].argmax().item()
     for row, token in enumerate(tokens):
         assert token.logprob == pytest.approx(expected[row, token.token_id].item(), rel=1e-6, abs=1e-5)  # fp32
-    assert tokens[0].top_token_ids == [] and tokens[2].top_logprobs == []
+    assert tokens[0].top_token_ids == () and tokens[2].top_logprobs == ()  # none asked for: the empty tuple
     values, ids = expected[1].topk(5)
     assert tokens[1].top_token_ids == ids.tolist()
     assert tokens[1].top_logprobs == pytest.approx(values.tolist(), rel=1e-6, abs=1e-5)
