@@ -14,10 +14,12 @@ for a position depends only on the position, so every mode and run produces the 
 
 from __future__ import annotations
 
+import _operator as operator  # the standard library's (this package has an `operator` of its own)
 import argparse
 import asyncio
 import json
 import time
+from itertools import compress, repeat
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from ..services.executor.model.registry import resolve_model
 from ..services.executor.model.tokenizer import load_tokenizer
 from ..services.executor.options import ExecutorConfig
 from ..services.executor.server import SERVICE_NAME, ExecutorServicer
-from ..services.executor.step_types import LAST_SAMPLED, LastSampled, SampledToken, StepInput
+from ..services.executor.step_types import LAST_SAMPLED, LastSampled, SampledToken, StepInput, new_row
 
 
 class Timeline:
@@ -58,17 +60,25 @@ class StandInRunner:
         self.last_sampled.clear()
 
     def execute(self, step: StepInput) -> list[SampledToken]:
+        """Checks what the real runner checks of LAST_SAMPLED and samples a token per sequence that wants one, by
+        columns: the stand-in's own CPU shares the cores with the processes it measures."""
         start = time.perf_counter()
-        for i, seq in enumerate(step.sequences):
-            if LAST_SAMPLED in seq.token_ids:
-                self.last_sampled.check(step.step_id, seq.seq_id, seq.token_ids, f"sequences[{i}].token_ids")
-        self.last_sampled.start(step.step_id)
-        tokens = []
-        for seq in step.sequences:
-            if seq.sampling is not None:
-                position = seq.start_position + len(seq.token_ids)
-                tokens.append(SampledToken(seq.seq_id, 1 + position * 7919 % (self.vocab_size - 1), 0.0, [], []))
-        self.last_sampled.record(tokens)
+        last, tokens = self.last_sampled, []
+        if step.sequences:
+            seq_ids, token_lists, starts, _, _, samplings = zip(*step.sequences, strict=True)
+            asks = list(map(operator.contains, token_lists, repeat(LAST_SAMPLED)))
+            valid = (step.step_id and step.step_id == last.step_id + 1
+                     and all(map(last.tokens.__contains__, compress(seq_ids, asks)))
+                     and all(map(operator.eq, compress(token_lists, asks), repeat([LAST_SAMPLED]))))
+            if any(asks) and not valid:
+                for i in compress(range(len(asks)), asks):  # raises, naming the first sequence at fault
+                    last.check(step.step_id, seq_ids[i], token_lists[i], f"sequences[{i}].token_ids")
+            positions = compress(map(operator.add, starts, map(len, token_lists)), samplings)
+            ids = [1 + position * 7919 % (self.vocab_size - 1) for position in positions]
+            tokens = list(map(new_row, repeat(SampledToken), zip(compress(seq_ids, samplings), ids, repeat(0.0),
+                                                                 repeat(()), repeat(()), strict=False)))
+        last.start(step.step_id)
+        last.record(tokens)
         time.sleep(max(0.0, start + self.step_s - time.perf_counter()))
         self.timeline.record(start, step)
         return tokens

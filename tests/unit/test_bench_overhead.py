@@ -8,6 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from pagedserve.benchmarks.standin_executor import StandInRunner, Timeline
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.executor.step_types import GREEDY, LAST_SAMPLED, SequenceInput, StepInput
+
 
 def test_bench_overhead_runs_both_modes_and_every_request_reads_the_same(
     tiny_chat_model_dir: Path, tmp_path: Path
@@ -27,3 +33,23 @@ def test_bench_overhead_runs_both_modes_and_every_request_reads_the_same(
         assert 0.0 <= result[f"{prefix}gap_waiting_for_frontend_ms_6_5ms"] <= result[f"{prefix}gap_ms_6_5ms"]
     # overlapped and serial steps, six requests each: one text, so no token was lost, repeated or streamed late
     assert result["one_text_for_all_runs"] is True
+
+
+def test_the_stand_in_samples_by_position_and_checks_last_sampled_as_the_runner_does() -> None:
+    runner = StandInRunner(0.0, 100, Timeline())
+    token = {position: 1 + position * 7919 % 99 for position in range(8)}  # depends on the position alone
+    first = runner.execute(StepInput([SequenceInput(1, [5, 6], 0, [0], [0, 1], GREEDY),
+                                      SequenceInput(2, [7], 0, [1], [4], None)], step_id=1))  # 2 samples nothing
+    assert [(t.seq_id, t.token_id) for t in first] == [(1, token[2])]
+    again = runner.execute(StepInput([SequenceInput(1, [LAST_SAMPLED], 2, [0], [2], GREEDY)], step_id=2))
+    assert [(t.seq_id, t.token_id) for t in again] == [(1, token[3])]
+    for sequences, step_id, error in [
+        ([SequenceInput(1, [LAST_SAMPLED], 3, [0], [3], GREEDY)], 4, "step 4 asks for the tokens step 3 sampled"),
+        ([SequenceInput(1, [LAST_SAMPLED], 3, [0], [3], GREEDY), SequenceInput(2, [LAST_SAMPLED], 1, [1], [5], GREEDY)],
+         3, r"sequences\[1\].token_ids: step 2 sampled no token for sequence 2"),
+        ([SequenceInput(1, [LAST_SAMPLED, 5], 3, [0], [3, 4], GREEDY)], 3, "stands alone"),
+    ]:
+        with pytest.raises(InvalidRequest, match=error):
+            runner.execute(StepInput(sequences, step_id=step_id))
+    # refused steps changed nothing: step 3 may still ask for what step 2 sampled
+    assert runner.execute(StepInput([SequenceInput(1, [LAST_SAMPLED], 3, [0], [3], GREEDY)], step_id=3))[0].seq_id == 1
