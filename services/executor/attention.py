@@ -38,8 +38,9 @@ class AttentionMetadata:
 
 
 def int_tensor(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 1-D int32 or int64 tensor of `values`, copied in C: `torch.tensor` of a list inspects every element
-    (~0.35 µs each here: a step's 256 block tables of 20 blocks took ~1 ms), `array` packs them in ~10 ns."""
+    """A 1-D int32 or int64 tensor of `values`, packed by `array` and shared by `torch.frombuffer`: `torch.tensor`
+    of a list inspects each element (the 5120 entries of 256 block tables: ~490 us on a slow 2-core host, against
+    ~220 us through `array`)."""
     if not values:
         return torch.empty(0, dtype=dtype, device=device)
     packed = torch.frombuffer(array("i" if dtype == torch.int32 else "q", values), dtype=dtype)
