@@ -28,6 +28,8 @@ def test_bench_overhead_runs_both_modes_and_every_request_reads_the_same(
     assert "stand-in" in result["executor"]
     for prefix in ("", "serial_"):
         assert 0.0 <= result[f"{prefix}overhead_frac_6_5ms"] < 1.0
+        # what the cores allow the processes' CPU: a floor under the overhead (interpolated CPU samples: a margin)
+        assert 0.0 <= result[f"{prefix}cpu_floor_overhead_frac_6_5ms"] <= result[f"{prefix}overhead_frac_6_5ms"] + 0.02
         assert result[f"{prefix}steps_6_5ms"] >= 10  # steps in which all six sequences decoded
         # the part of the gaps spent waiting for the next step to arrive is a part of them
         assert 0.0 <= result[f"{prefix}gap_waiting_for_frontend_ms_6_5ms"] <= result[f"{prefix}gap_ms_6_5ms"]
