@@ -66,13 +66,10 @@ class StandInRunner:
         last, tokens = self.last_sampled, []
         if step.sequences:
             seq_ids, token_lists, starts, _, _, samplings = zip(*step.sequences, strict=True)
-            asks = list(map(operator.contains, token_lists, repeat(LAST_SAMPLED)))
-            valid = (step.step_id and step.step_id == last.step_id + 1
-                     and all(map(last.tokens.__contains__, compress(seq_ids, asks)))
-                     and all(map(operator.eq, compress(token_lists, asks), repeat([LAST_SAMPLED]))))
-            if any(asks) and not valid:
-                for i in compress(range(len(asks)), asks):  # raises, naming the first sequence at fault
-                    last.check(step.step_id, seq_ids[i], token_lists[i], f"sequences[{i}].token_ids")
+            if not last.allows(step.step_id, seq_ids, token_lists):
+                for i, token_ids in enumerate(token_lists):  # raises, naming the first sequence at fault
+                    if LAST_SAMPLED in token_ids:
+                        last.check(step.step_id, seq_ids[i], token_ids, f"sequences[{i}].token_ids")
             positions = compress(map(operator.add, starts, map(len, token_lists)), samplings)
             ids = [1 + position * 7919 % (self.vocab_size - 1) for position in positions]
             tokens = list(map(new_row, repeat(SampledToken), zip(compress(seq_ids, samplings), ids, repeat(0.0),

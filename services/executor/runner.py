@@ -140,13 +140,9 @@ class ModelRunner:
         tokens = list(chain.from_iterable(token_lists))
         if max(tokens) >= self.config.vocab_size:
             return False
-        if min(tokens) < 0:  # only LAST_SAMPLED, each a decode's one token, of a sequence the last step sampled
-            decoding = list(map(operator.eq, token_lists, repeat([LAST_SAMPLED])))
-            last = self.last_sampled
-            if (min(tokens) < LAST_SAMPLED or tokens.count(LAST_SAMPLED) != decoding.count(True) or step_id == 0
-                    or step_id != last.step_id + 1 or not all(map(last.tokens.__contains__,
-                                                                  compress(seq_ids, decoding)))):
-                return False
+        if min(tokens) < 0 and (min(tokens) < LAST_SAMPLED  # only LAST_SAMPLED, where the last step sampled
+                                or not self.last_sampled.allows(step_id, seq_ids, token_lists)):
+            return False
         if max(num_tokens) == 1:  # each token's slot is in its block: table[pos // bs] * bs + pos % bs
             positions: Iterable[int] = starts
             token_tables: Iterable[Sequence[int]] = tables

@@ -92,6 +92,16 @@ class LastSampled:
         if seq_id not in self.tokens:
             raise InvalidRequest(f"{where}: step {self.step_id} sampled no token for sequence {seq_id}")
 
+    def allows(self, step_id: int, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]]) -> bool:
+        """What `check` tests of every sequence whose tokens hold LAST_SAMPLED, over the step's columns (C loops):
+        True only when none of them would raise."""
+        asks = list(map(operator.contains, token_lists, repeat(LAST_SAMPLED)))
+        if not any(asks):
+            return True
+        return (step_id != 0 and step_id == self.step_id + 1
+                and all(map(operator.eq, compress(token_lists, asks), repeat([LAST_SAMPLED])))
+                and all(map(self.tokens.__contains__, compress(seq_ids, asks))))
+
     def start(self, step_id: int) -> dict[int, int]:
         """Step `step_id` begins: returns the tokens it may use; it has sampled none until `record`."""
         tokens, self.tokens, self.step_id = self.tokens, {}, step_id
