@@ -58,21 +58,24 @@ class Engine:
                                tenant_salt=tenant_salt)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: GenerationParams, tenant_salt: bytes = b""
+        self, request_id: str, prompt_token_ids: list[int], params: GenerationParams, tenant_salt: bytes = b"",
+        final_only: bool = False,
     ) -> Request:
         """Validates and queues a request; raises InvalidRequest or OutOfCapacity naming the limit."""
         self.check(prompt_token_ids, params)
-        return self.enqueue(request_id, prompt_token_ids, params, tenant_salt)
+        return self.enqueue(request_id, prompt_token_ids, params, tenant_salt, final_only)
 
     def enqueue(
-        self, request_id: str, prompt_token_ids: list[int], params: GenerationParams, tenant_salt: bytes = b""
+        self, request_id: str, prompt_token_ids: list[int], params: GenerationParams, tenant_salt: bytes = b"",
+        final_only: bool = False,
     ) -> Request:
-        """Queues a request that already passed `check` (the server checks in its API thread)."""
+        """Queues a request that already passed `check` (the server checks in its API thread). A `final_only`
+        request's caller reads its outputs from it at the end (`Request.final_only`)."""
         if request_id in self.scheduler.requests:
             raise InvalidRequest(f"request_id: {request_id!r} is already running")
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         request = Request(request_id, list(prompt_token_ids), params, self.namespace(tenant_salt), seed,
-                          self.limits.eos_token_ids)
+                          self.limits.eos_token_ids, final_only=final_only)
         self.scheduler.add(request)
         return request
 

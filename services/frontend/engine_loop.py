@@ -73,6 +73,7 @@ class EngineLoop:
         self.down_since: float | None = None  # when a sidecar was lost (None: both answer)
         self.refusing = ""  # why new requests are refused at once while down (too long, another cache)
         self.num_recoveries = 0
+        self._num_generated = 0  # the scheduler's count of tokens recorded, as of the last step delivered
         self._next_resync = 0.0
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -181,7 +182,9 @@ class EngineLoop:
                 self.num_refused += 1
                 raise OutOfCapacity(f"the server is at capacity: {waiting} waiting request(s), the bound of its queue"
                                     f" (--max-waiting-requests {self.max_waiting_requests}); retry later")
-            self.engine.enqueue(request_id, prompt, params, salt).metrics.arrival = arrival  # checked in `submit`
+            # checked in `submit`
+            request = self.engine.enqueue(request_id, prompt, params, salt, subscriber.final_only)
+            request.metrics.arrival = arrival
         except Exception as exc:
             subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, exc)
             return
@@ -214,7 +217,9 @@ class EngineLoop:
     def _deliver(self, outputs: list[StepOutput]) -> None:
         posts: list[tuple[_Subscriber, Event]] = []
         # one record per step, not per request: the window holds a minute of them
-        self.metrics.record_tokens(sum(len(o.new_token_ids) for output in outputs for o in output.outputs))
+        generated = self.engine.scheduler.num_generated  # counted by the scheduler: a final-only request has no
+        self.metrics.record_tokens(generated - self._num_generated)  # output per step
+        self._num_generated = generated
         for output in outputs:
             request = output.request
             subscriber = self._subscribers.get(request.request_id)

@@ -148,13 +148,13 @@ class LLM:
     def _run(self, token_lists: list[list[int]], params: GenerationParams, progress: bool) -> list[Completion]:
         requests: list[Request] = []
         for tokens in token_lists:
-            requests.append(self.engine.add_request(f"offline-{next(self._ids)}", tokens, params))
+            requests.append(self.engine.add_request(f"offline-{next(self._ids)}", tokens, params, final_only=True))
         start, generated, done = time.monotonic(), 0, 0
+        before = self.engine.scheduler.num_generated  # of earlier calls
         show = progress and sys.stderr.isatty()  # a live progress line, for people watching a terminal
         while self.engine.has_work:
-            for output in self.engine.step():
-                generated += sum(len(o.new_token_ids) for o in output.outputs)
-                done += output.request.finished
+            done += sum(output.request.finished for output in self.engine.step())  # final only: at their ends
+            generated = self.engine.scheduler.num_generated - before
             if show:
                 rate = generated / max(time.monotonic() - start, 1e-9)
                 print(f"\r{done}/{len(requests)} requests, {generated} tokens, {rate:.1f} tok/s", end="",

@@ -82,6 +82,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     num_unforked: int = -1  # samples not forked yet from the first sequence
     num_finished: int = 0  # samples (of `seqs`) finished: the scheduler counts them as it finishes them
+    # its caller reads the outputs from the request once it has finished (a unary call, offline generation):
+    # the engine builds no StepOutput for it before then
+    final_only: bool = False
     stop_ids: frozenset[int] = field(init=False)  # tokens that end a sample (stop tokens, EOS unless ignored)
     max_len: int = field(init=False)  # prompt + max_tokens: where a sample ends at the latest
 

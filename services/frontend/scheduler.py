@@ -109,6 +109,7 @@ class Scheduler:
         self._seq_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
         self._admissions = itertools.count(1)  # private namespaces when nothing is shared
+        self.num_generated = 0  # tokens recorded by `update`, ever (the throughput metric's count)
 
     # ---- requests ------------------------------------------------------------------------------------
 
@@ -348,7 +349,8 @@ class Scheduler:
 
     def update(self, step: ScheduledStep, sampled: list[SampledToken]) -> list[StepOutput]:
         """Records the step's sampled tokens; finishes sequences that hit a stop condition. A sequence that
-        finished (or was aborted) after the step was sent drops its token: it is never streamed."""
+        finished (or was aborted) after the step was sent drops its token: it is never streamed. A `final_only`
+        request gets an output (with no new tokens) only in the step it finishes."""
         # Runs for every sequence every step, on the path that must fit in the executor's step time: one plain
         # loop over the rows unpacked, limits looked up once per request.
         now = time.monotonic()
@@ -361,9 +363,11 @@ class Scheduler:
         if list(map(_TOKEN_SEQ_ID, sampled)) != list(map(_SEQ_ID, step.sampled)):  # in the step's order
             token, seq = next((t, s) for t, s in zip(sampled, step.sampled, strict=True) if t.seq_id != s.seq_id)
             raise RuntimeError(f"the executor answered for sequence {token.seq_id}, not {seq.seq_id}")
+        dropped = 0
         for seq, (_, token_id, logprob, top_ids, top_logprobs) in zip(step.sampled, sampled, strict=True):
             seq.num_pending -= 1
             if seq.status is finished:
+                dropped += 1
                 continue
             request = seq.request
             token_ids = seq.token_ids
@@ -383,12 +387,17 @@ class Scheduler:
             elif len(token_ids) >= request.max_len or len(token_ids) >= max_model_len:
                 self._finish(seq, FinishReason.LENGTH)
                 ended.append(request)
+            if request.final_only:
+                continue
             output = outputs.get(request)
             if output is None:
                 output = outputs[request] = new_row(StepOutput, (request, []))
             output.outputs.append(SequenceOutput(seq.seq_id, seq.index, (token_id,), seq.finish_reason, (logprob,),
                                                  (top,)))
+        self.num_generated += len(sampled) - dropped
         for request in ended:
+            if request.final_only and request.finished and request not in outputs:
+                outputs[request] = new_row(StepOutput, (request, []))
             self._forget_if_done(request)
         return list(outputs.values())
 

@@ -107,6 +107,28 @@ def test_parallel_samples_share_the_prompt_and_match_independent_seeded_requests
     assert_no_leak(engine, manager)
 
 
+def test_a_final_only_request_gets_one_output_at_its_end_and_the_same_tokens(make_engine: EngineFactory) -> None:
+    """A caller that reads a request's outputs at its end (a unary call, offline) gets no StepOutput before the
+    step in which the request finishes; its samples, and the count of tokens generated, are a streaming
+    request's."""
+    params = GenerationParams(max_tokens=9, temperature=1.0, seed=99, n=3, ignore_eos=True)
+    engine, manager = make_engine()
+    streamed = engine.add_request("streamed", PROMPTS[3], params)
+    final = engine.add_request("final", PROMPTS[3], params, final_only=True)
+    short = engine.add_request("short", PROMPTS[1], GenerationParams(max_tokens=2, ignore_eos=True), final_only=True)
+    seen: dict[str, list[list[object]]] = {"streamed": [], "final": [], "short": []}
+    while engine.has_work:
+        for output in engine.step():
+            seen[output.request.request_id].append([output.request.finished, output.outputs])
+    assert [finished for finished, _ in seen["final"]] == [True] and seen["final"][0][1] == []
+    assert [finished for finished, _ in seen["short"]] == [True]
+    assert len(seen["streamed"]) >= 9 and seen["streamed"][-1][0]
+    assert outputs([final]) == outputs([streamed]) and len({tuple(s) for s in outputs([final])[0]}) > 1
+    assert [len(s) for s in outputs([short])[0]] == [2]
+    assert engine.scheduler.num_generated == 2 * 3 * 9 + 2
+    assert_no_leak(engine, manager)
+
+
 def test_same_seed_same_tokens_and_sampling_params_are_honoured(make_engine: EngineFactory) -> None:
     params = GenerationParams(max_tokens=10, temperature=0.8, top_p=0.9, top_k=20, seed=7, ignore_eos=True)
     first, _ = run(make_engine()[0], PROMPTS[:3], params)
