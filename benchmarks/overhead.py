@@ -4,11 +4,11 @@ The real frontend and the real block manager, each its own process talking gRPC 
 executor stand-in (benchmarks/standin_executor.py) that holds every step for a fixed time instead of
 running a model: it stands in for an accelerator that is busy that long, so whatever else the wall time
 holds is the serving stack's own overhead. For each of 64 and 256 running sequences and 10 ms and 2 ms
-steps, that many unary requests (short prompts, EOS ignored) run together, with overlapped steps (the
-default) and serial ones. Over the steps in which every sequence decodes (the edges dropped), the
-overhead is 1 - (time the stand-in held steps) / (wall time from the first step's start to the last's end).
-`gap_ms` is the mean gap between two steps, and `gap_waiting_for_frontend_ms` the part of it before the
-next step had even arrived; the rest is the executor's own time between two steps.
+steps, that many unary requests (short prompts, EOS ignored; `--stream`: streaming ones, every chunk read)
+run together, with overlapped steps (the default) and serial ones. Over the steps in which every sequence
+decodes (the edges dropped), the overhead is 1 - (time the stand-in held steps) / (wall time from the first
+step's start to the last's end). `gap_ms` is the mean gap between two steps, and `gap_waiting_for_frontend_ms`
+the part of it before the next step had even arrived; the rest is the executor's own time between two steps.
 Keys: `overhead_frac_<seqs>_<ms>ms` (overlapped) and `serial_overhead_frac_<seqs>_<ms>ms`; with them the
 CPU time the frontend, the block manager and the stand-in spent per step (from /proc), and
 `cpu_floor_overhead_frac_<seqs>_<ms>ms`: the least overhead the machine's `cores` allow that CPU, 1 - (time the
@@ -19,6 +19,7 @@ floor, the machine's cores, not the design's waits, are the limit.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import grpc.aio
 import numpy
 
 from ..protos import inference_pb2 as pb
@@ -50,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-ms", default="10,2", help="comma-separated stand-in step times")
     parser.add_argument("--tokens", type=int, default=160, help="new tokens per request")
     parser.add_argument("--modes", default="overlap,serial", help="overlap, serial or both")
+    parser.add_argument("--stream", action="store_true", help="streaming callers (Generate, every chunk read by one"
+                        " asyncio client) instead of unary ones; the keys end in _stream")
     parser.add_argument("--device", default="", help="run the real executor on this device (cuda) instead of the"
                         " stand-in; --step-ms is then ignored and the keys end in _real")
 
@@ -68,7 +72,8 @@ def _start_stand_in(args: list[str]) -> tuple[subprocess.Popen[str], str]:
     raise RuntimeError(f"the executor stand-in exited with {proc.wait()}")
 
 
-def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: bool, device: str = "") -> dict[str, Any]:
+def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: bool, device: str = "",
+            stream: bool = False) -> dict[str, Any]:
     """One run: the three processes, num_seqs requests at once, the stand-in's timeline read back."""
     num_blocks = num_seqs * (-(-(tokens + 32) // 16)) + 64
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,13 +89,11 @@ def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: boo
                              "--max-num-batched-tokens", str(max(2048, num_seqs * 32)),
                              "--max-waiting-requests", str(num_seqs + 1), "--max-streams-per-tenant", str(num_seqs)]
             services.append(start_service([*frontend_args, *([] if overlap else ["--no-overlap"])]))
-            with grpc.insecure_channel(services[1].address) as channel:
-                stub = pb_grpc.InferenceStub(channel)
-                request = pb.GenerateRequest(text=PROMPT, params=pb.GenerationParameters(
-                    max_tokens=tokens, ignore_eos=True))
-                with CpuSampler([*(service.proc.pid for service in services), stand_in.pid]) as cpu:
-                    futures = [stub.Complete.future(request, timeout=600) for _ in range(num_seqs)]
-                    texts = {f.result().choices[0].text for f in futures}
+            params = pb.GenerationParameters(max_tokens=tokens, ignore_eos=True)
+            request = pb.GenerateRequest(text=PROMPT, params=params)
+            with CpuSampler([*(service.proc.pid for service in services), stand_in.pid]) as cpu:
+                texts = (asyncio.run(_streamed(services[1].address, request, num_seqs)) if stream
+                         else _unary(services[1].address, request, num_seqs))
         finally:
             for service in reversed(services):
                 stop_service(service)
@@ -115,6 +118,23 @@ def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: boo
             "frontend_cpu_ms_per_step": round(frontend_cpu / (len(full) - 1) * 1000, 3),
             "block_manager_cpu_ms_per_step": round(block_manager_cpu / (len(full) - 1) * 1000, 3),
             "executor_cpu_ms_per_step": round(executor_cpu / (len(full) - 1) * 1000, 3)}
+
+
+def _unary(address: str, request: pb.GenerateRequest, num_seqs: int) -> set[str]:
+    with grpc.insecure_channel(address) as channel:
+        futures = [pb_grpc.InferenceStub(channel).Complete.future(request, timeout=600) for _ in range(num_seqs)]
+        return {f.result().choices[0].text for f in futures}
+
+
+async def _streamed(address: str, request: pb.GenerateRequest, num_seqs: int) -> set[str]:
+    """Every request streamed, every chunk read (by one asyncio client, on one core of the machine measured)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+
+        async def one() -> str:
+            return "".join([chunk.text async for chunk in stub.Generate(request, timeout=600)])
+
+        return set(await asyncio.gather(*(one() for _ in range(num_seqs))))
 
 
 class CpuSampler:
@@ -163,8 +183,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for num_seqs in (int(s) for s in args.seqs.split(",")):
         for step_ms in step_times:
             for mode in args.modes.split(","):
-                run_ = measure(args.model, num_seqs, step_ms, args.tokens, mode == "overlap", args.device)
-                name = f"{num_seqs}_real" if args.device else f"{num_seqs}_{step_ms:g}ms"
+                run_ = measure(args.model, num_seqs, step_ms, args.tokens, mode == "overlap", args.device, args.stream)
+                name = (f"{num_seqs}_real" if args.device else f"{num_seqs}_{step_ms:g}ms") + ("_stream" if args.stream
+                                                                                              else "")
                 prefix = "" if mode == "overlap" else "serial_"
                 result[f"{prefix}overhead_frac_{name}"] = run_["overhead_frac"]
                 result[f"{prefix}cpu_floor_overhead_frac_{name}"] = run_["cpu_floor_overhead_frac"]

@@ -10,10 +10,13 @@ and one stream count, so a tenant's cache and its limit are the same through eit
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import secrets
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import chain
 
 from opentelemetry import trace
 from transformers import PreTrainedTokenizerFast
@@ -23,10 +26,10 @@ from ..executor.model.tokenizer import render_chat
 from ..executor.step_types import ExecutorInfo
 from .auth import UNAUTHENTICATED, ApiKeys, Metadata, client_salt, presented_key, tenant_salt
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
-from .engine_loop import EngineLoop
+from .engine_loop import EngineLoop, Event
 from .limits import ApiLimits, StreamCounter
 from .metrics import latency
-from .request import FinishReason, GenerationParams, Request, SequenceOutput
+from .request import FinishReason, GenerationParams, Request, SequenceOutput, StepOutput
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -181,13 +184,23 @@ class Serving:
             samples = [_Sample(IncrementalDetokenizer(backend.tokenizer, prompt), stop_matcher, at_end)
                        for stop_matcher in stops]
             # the engine ends every request's stream with None, after which it no longer touches the request
-            while (event := await events.get()) is not None:
+            later: Event | _Nothing = NOTHING  # an event taken while catching up, not handled yet
+            while (event := await events.get() if later is NOTHING else later) is not None:
+                later = NOTHING
                 if isinstance(event, BaseException):
                     raise event
                 if engine_request is None and not at_end:
                     span.add_event("first_token")
                 engine_request = event.request
-                for output in [] if at_end else event.outputs:
+                if at_end:  # the outputs are read from the request at its end
+                    continue
+                outputs = event.outputs
+                if not stop and not events.empty():
+                    # Steps this caller has not read yet (it fell behind): one chunk per sample for them all,
+                    # so that a loaded server sends fewer, larger messages instead of falling further behind.
+                    # Stop strings are matched token by token, so that no token after one is ever sent.
+                    outputs, later = _catch_up(outputs, events)
+                for output in outputs:
                     chunk = self._chunk(request_id, samples, output, want_logprobs)
                     if chunk is not None:
                         yield chunk
@@ -233,6 +246,35 @@ class Serving:
         if not want_logprobs:
             return Chunk(output.index, output.new_token_ids, text, finish_reason=finish)
         return Chunk(output.index, output.new_token_ids, text, output.new_logprobs, output.new_top_logprobs, finish)
+
+
+class _Nothing(enum.Enum):
+    NOTHING = enum.auto()
+
+
+NOTHING = _Nothing.NOTHING  # no event held back (None is one: the end)
+
+
+def _catch_up(outputs: Sequence[SequenceOutput],
+              events: asyncio.Queue[Event]) -> tuple[list[SequenceOutput], Event | _Nothing]:
+    """The outputs of every step already queued behind `outputs`, joined into one per sample (in the order the
+    samples first appear), and the end or error that stopped the taking (NOTHING when the queue ran dry)."""
+    parts: dict[int, list[SequenceOutput]] = {}
+    for output in outputs:
+        parts.setdefault(output.index, []).append(output)
+    stopped_by: Event | _Nothing = NOTHING
+    while not events.empty():
+        event = events.get_nowait()
+        if not isinstance(event, StepOutput):
+            stopped_by = event
+            break
+        for output in event.outputs:
+            parts.setdefault(output.index, []).append(output)
+    joined = [SequenceOutput(each[0].seq_id, index, list(chain.from_iterable(o.new_token_ids for o in each)),
+                             each[-1].finish_reason, list(chain.from_iterable(o.new_logprobs for o in each)),
+                             list(chain.from_iterable(o.new_top_logprobs for o in each)))
+              for index, each in parts.items()]
+    return joined, stopped_by
 
 
 def _usage(request: Request | None, prompt: list[int], samples: list[_Sample]) -> Usage:

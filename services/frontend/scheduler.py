@@ -100,6 +100,7 @@ class Scheduler:
         self.swapped: deque[SequenceState] = deque()
         self.pending: list[Op] = []  # frees of finished or aborted sequences, sent with the next call
         self.requests: dict[str, Request] = {}
+        self.fork_parents: list[SequenceState] = []  # first samples of requests whose other samples are not forked
         self.stats: BlockStats = block_manager.stats()
         if config.preemption_mode == "swap" and self.stats.num_cpu_blocks == 0:
             raise ValueError(SWAP_WITHOUT_POOL)
@@ -121,6 +122,8 @@ class Scheduler:
             request.seqs.append(seq)
             self.waiting.append(seq)
         request.num_unforked = request.params.n - count
+        if request.num_unforked:
+            self.fork_parents.append(request.seqs[0])
         self.requests[request.request_id] = request
 
     def abort(self, request_id: str) -> StepOutput | None:
@@ -178,8 +181,10 @@ class Scheduler:
         if self.starved:
             routes += self._make_room()
         budget = self.config.max_num_batched_tokens
-        for parent in [s for s in self.running if self._ready_to_fork(s)]:
-            routes += [(ForkOp(parent.seq_id, child.seq_id), [child]) for child in self._fork(parent)]
+        if self.fork_parents:  # not a pass over every running sequence each step while no request waits to fork
+            self.fork_parents = [s for s in self.fork_parents if s.request.num_unforked > 0]
+            for parent in [s for s in self.running if self._ready_to_fork(s)]:
+                routes += [(ForkOp(parent.seq_id, child.seq_id), [child]) for child in self._fork(parent)]
         decode_seqs: list[SequenceState] = []
         decode_tokens: list[int] = []
         free_estimate = self.stats.num_free_blocks - self._watermark_blocks()

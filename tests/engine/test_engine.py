@@ -98,6 +98,7 @@ def test_parallel_samples_share_the_prompt_and_match_independent_seeded_requests
     samples = outputs([request])[0]
     assert len({tuple(s) for s in samples}) > 1  # the samples diverge
     assert manager.stats().num_cow_copies >= 3  # the shared partial tail was copied on write
+    assert engine.scheduler.fork_parents == []  # forked: no longer looked for each step
     for index, sample in enumerate(samples):  # sample i draws with seed + i, exactly like a lone request
         lone_engine, _ = make_engine()
         single = GenerationParams(max_tokens=12, temperature=1.0, seed=1234 + index, ignore_eos=True)

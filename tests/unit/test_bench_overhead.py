@@ -37,6 +37,20 @@ def test_bench_overhead_runs_both_modes_and_every_request_reads_the_same(
     assert result["one_text_for_all_runs"] is True
 
 
+def test_bench_overhead_with_streaming_callers(tiny_chat_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    subprocess.run(
+        [sys.executable, "-m", "pagedserve", "bench", "overhead", "--model", str(tiny_chat_model_dir), "--seqs", "6",
+         "--step-ms", "5", "--tokens", "40", "--modes", "overlap", "--stream", "--json", "--out", str(out)],
+        check=True, timeout=600, env={**os.environ, "PYTHONSAFEPATH": "1"}, capture_output=True, text=True,
+    )
+    result = json.loads(out.read_text())
+    assert 0.0 <= result["overhead_frac_6_5ms_stream"] < 1.0 and result["steps_6_5ms_stream"] >= 10
+    assert "overhead_frac_6_5ms" not in result and "serial_overhead_frac_6_5ms_stream" not in result
+    # every stream's chunks put together read the same: none was lost or repeated
+    assert result["one_text_for_all_runs"] is True
+
+
 def test_the_stand_in_samples_by_position_and_checks_last_sampled_as_the_runner_does() -> None:
     runner = StandInRunner(0.0, 100, Timeline())
     token = {position: 1 + position * 7919 % 99 for position in range(8)}  # depends on the position alone

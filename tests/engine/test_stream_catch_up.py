@@ -1,0 +1,81 @@
+"""A streaming caller that falls behind the engine gets the steps it missed as one chunk per sample (fewer,
+larger messages from a loaded server), with the same tokens, logprobs and text as a caller that kept up; with
+stop strings it still gets them token by token, so that nothing after a stop string is sent."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tiny_model import VOCAB
+
+from pagedserve.services.executor.model.registry import resolve_model
+from pagedserve.services.executor.model.tokenizer import load_tokenizer
+from pagedserve.services.executor.step_types import ExecutorInfo
+from pagedserve.services.frontend.engine import Engine
+from pagedserve.services.frontend.engine_loop import EngineLoop
+from pagedserve.services.frontend.generation import Backend, Chunk, Serving, Usage
+from pagedserve.services.frontend.metrics import ServingMetrics
+from pagedserve.services.frontend.request import GenerationParams
+
+EngineFactory = Callable[..., tuple[Engine, Any]]  # the make_engine fixture (tests/engine/conftest.py)
+PROMPT = list(range(40, 57))
+PARAMS = GenerationParams(max_tokens=12, temperature=1.0, seed=5, n=2, ignore_eos=True)
+
+
+async def read(serving: Serving, request_id: str, stop: tuple[str, ...] = (), behind: bool = False) -> list[Chunk]:
+    """The request's chunks; `behind`: after the first, nothing is read until the engine has finished it."""
+    stream = serving.generate(request_id, PROMPT, PARAMS, b"", stop=stop, want_logprobs=True)
+    chunks = [await anext(stream)]
+    if behind:
+        deadline = time.monotonic() + 60
+        while request_id in serving.backend.loop.engine.scheduler.requests:  # still in the engine
+            assert time.monotonic() < deadline, "the request never finished"
+            await asyncio.sleep(0.01)
+    chunks += [item async for item in stream]
+    assert isinstance(chunks.pop(), Usage)
+    return [chunk for chunk in chunks if isinstance(chunk, Chunk)]
+
+
+def by_sample(chunks: list[Chunk]) -> dict[int, tuple[list[int], list[float], str, str | None]]:
+    """Each sample's tokens, logprobs, text and how it ended, however they were cut into chunks."""
+    samples: dict[int, tuple[list[int], list[float], str, str | None]] = {}
+    for chunk in chunks:
+        tokens, logprobs, text, _ = samples.get(chunk.index, ([], [], "", None))
+        reason = chunk.finish_reason.value if chunk.finish_reason else None
+        samples[chunk.index] = ([*tokens, *chunk.token_ids], [*logprobs, *chunk.logprobs], text + chunk.text, reason)
+    return samples
+
+
+def test_a_caller_that_falls_behind_gets_the_missed_steps_joined(make_engine: EngineFactory) -> None:
+    engine, manager = make_engine()
+    loop = EngineLoop(engine, ServingMetrics(ttft_slo_ms=1e6, tpot_slo_ms=1e6), max_waiting_requests=8)
+    info = ExecutorInfo("tiny", "digest", "float32", "cpu", VOCAB, 256, 4, 256, 0, (), "torch")
+    serving = Serving()
+    serving.attach(Backend(loop, load_tokenizer(resolve_model("smollm2-135m")), info))
+
+    async def scenario() -> tuple[list[Chunk], list[Chunk], list[Chunk]]:
+        kept_up = await read(serving, "kept-up")
+        behind = await read(serving, "behind", behind=True)
+        with_stop = await read(serving, "with-stop", stop=("never in this text",), behind=True)
+        return kept_up, behind, with_stop
+
+    loop.start()
+    try:
+        kept_up, behind, with_stop = asyncio.run(scenario())
+    finally:
+        loop.stop()
+    expected = by_sample(kept_up)
+    assert sorted(expected) == [0, 1] and expected[0][0] != expected[1][0]  # the two samples diverge
+    for tokens, logprobs, text, reason in expected.values():
+        assert len(tokens) == len(logprobs) == 12 and reason == "length"
+        assert text == serving.backend.tokenizer.decode(tokens, skip_special_tokens=True)
+    # seeded samples: the same tokens, logprobs and text whether read as they came or all at once at the end
+    assert by_sample(behind) == expected
+    # behind: the first event's two chunks (one token each), then the other eleven of each sample in one chunk
+    assert [len(chunk.token_ids) for chunk in behind] == [1, 1, 11, 11]
+    assert by_sample(with_stop) == expected
+    assert [len(chunk.token_ids) for chunk in with_stop] == [1] * 24  # stop strings: token by token
+    assert manager.stats().num_used_blocks == 0
