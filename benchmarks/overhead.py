@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="overlap,serial", help="overlap, serial or both")
     parser.add_argument("--stream", action="store_true", help="streaming callers (Generate, every chunk read by one"
                         " asyncio client) instead of unary ones; the keys end in _stream")
+    parser.add_argument("--stream-interval", type=int, default=1, help="the frontend's --stream-interval (steps per"
+                        " chunk after the first)")
     parser.add_argument("--device", default="", help="run the real executor on this device (cuda) instead of the"
                         " stand-in; --step-ms is then ignored and the keys end in _real")
 
@@ -73,7 +75,7 @@ def _start_stand_in(args: list[str]) -> tuple[subprocess.Popen[str], str]:
 
 
 def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: bool, device: str = "",
-            stream: bool = False) -> dict[str, Any]:
+            stream: bool = False, stream_interval: int = 1) -> dict[str, Any]:
     """One run: the three processes, num_seqs requests at once, the stand-in's timeline read back."""
     num_blocks = num_seqs * (-(-(tokens + 32) // 16)) + 64
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,7 +90,8 @@ def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: boo
                              "--model", model, "--max-num-seqs", str(num_seqs),
                              "--max-num-batched-tokens", str(max(2048, num_seqs * 32)),
                              "--max-waiting-requests", str(num_seqs + 1), "--max-streams-per-tenant", str(num_seqs)]
-            services.append(start_service([*frontend_args, *([] if overlap else ["--no-overlap"])]))
+            frontend_args += ["--stream-interval", str(stream_interval), *([] if overlap else ["--no-overlap"])]
+            services.append(start_service(frontend_args))
             params = pb.GenerationParameters(max_tokens=tokens, ignore_eos=True)
             request = pb.GenerateRequest(text=PROMPT, params=params)
             with CpuSampler([*(service.proc.pid for service in services), stand_in.pid]) as cpu:
@@ -176,6 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "a stand-in that holds each step for a fixed time (no model runs): it stands in for the"
                     " accelerator; the frontend and block manager are the real processes over gRPC",
         "tokens_per_request": args.tokens,
+        "stream_interval": args.stream_interval,
         "cores": len(os.sched_getaffinity(0)),
     }
     texts = set()
@@ -183,7 +187,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for num_seqs in (int(s) for s in args.seqs.split(",")):
         for step_ms in step_times:
             for mode in args.modes.split(","):
-                run_ = measure(args.model, num_seqs, step_ms, args.tokens, mode == "overlap", args.device, args.stream)
+                run_ = measure(args.model, num_seqs, step_ms, args.tokens, mode == "overlap", args.device, args.stream,
+                               args.stream_interval)
                 name = (f"{num_seqs}_real" if args.device else f"{num_seqs}_{step_ms:g}ms") + ("_stream" if args.stream
                                                                                               else "")
                 prefix = "" if mode == "overlap" else "serial_"

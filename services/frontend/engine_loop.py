@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -44,6 +44,21 @@ class _Subscriber:
     queue: asyncio.Queue[Event]
     span: trace.SpanContext  # the request's Generate span: each step it is part of links to it
     final_only: bool = False  # wants only the request's end (a unary call reads its outputs from the request)
+    held: list[StepOutput] = field(default_factory=list)  # outputs not posted yet (the stream interval)
+    started: bool = False  # its first output was posted
+
+    def due(self, output: StepOutput, interval: int) -> list[tuple[_Subscriber, Event]]:
+        """The outputs to post now: the first at once, then every `interval` steps (the caller joins them into
+        one chunk); those of the request's last step are taken by `take_held`."""
+        self.held.append(output)
+        if self.started and len(self.held) < interval:
+            return []
+        self.started = True
+        return self.take_held()
+
+    def take_held(self) -> list[tuple[_Subscriber, Event]]:
+        held, self.held = self.held, []
+        return [(self, output) for output in held]
 
 
 def _post(posts: list[tuple[_Subscriber, Event]]) -> None:
@@ -64,10 +79,13 @@ class EngineLoop:
     def __init__(
         self, engine: Engine, metrics: ServingMetrics, max_waiting_requests: int, sidecars: Sidecars | None = None,
         recovery_timeout: float = 120.0, on_availability: Callable[[bool], None] = lambda available: None,
+        stream_interval: int = 1,
     ) -> None:
         """With `sidecars`, a lost sidecar is waited for (see the module); `on_availability` hears of each
-        loss and return, on the engine thread (the server's health status follows it)."""
+        loss and return, on the engine thread (the server's health status follows it). A streaming request's
+        outputs are posted every `stream_interval` steps after its first (fewer, larger chunks)."""
         self.engine, self.metrics, self.max_waiting_requests = engine, metrics, max_waiting_requests
+        self.stream_interval = stream_interval
         self.sidecars, self.recovery_timeout, self.on_availability = sidecars, recovery_timeout, on_availability
         self.num_refused = 0  # requests refused because the queue was full
         self.down_since: float | None = None  # when a sidecar was lost (None: both answer)
@@ -225,7 +243,7 @@ class EngineLoop:
             subscriber = self._subscribers.get(request.request_id)
             finished = request.finished
             if subscriber is not None and (finished or not subscriber.final_only):
-                posts.append((subscriber, output))
+                posts += subscriber.due(output, self.stream_interval)
             if finished:
                 posts += self._close(request.request_id, request)
         _post(posts)
@@ -234,7 +252,7 @@ class EngineLoop:
         """Records the finished request; returns the end of its stream to post."""
         self.metrics.record_ended(request)
         subscriber = self._subscribers.pop(request_id, None)
-        return [(subscriber, None)] if subscriber is not None else []
+        return [*subscriber.take_held(), (subscriber, None)] if subscriber is not None else []
 
     def _fail_requests(self, exc: BaseException) -> None:
         """Ends every request in the engine, each caller answered with `exc`."""
@@ -244,8 +262,8 @@ class EngineLoop:
                 self._end(request_id, failed=True)
             except Exception:
                 log.exception("could not abort %s", request_id)
-            if subscriber is not None:
-                subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, exc)
+            if subscriber is not None:  # the tokens it was given come first
+                _post([*subscriber.take_held(), (subscriber, exc)])
 
     def _fail_all(self, exc: Exception) -> None:
         self._fail_requests(exc)

@@ -70,9 +70,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                         help="plan and send step N+1 while the executor runs step N (--no-overlap: in lock step)")
+    add_stream_interval_argument(parser)
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="time-to-first-token objective")
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0, help="time-per-output-token objective")
     add_public_arguments(parser)
+
+
+def add_stream_interval_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stream-interval", type=positive_int, default=1, metavar="STEPS",
+                        help="a streaming request gets its first token at once, then a chunk every this many steps"
+                             " (fewer, larger messages for many streams; a caller that falls behind gets what it"
+                             " missed in one chunk anyway)")
 
 
 def connect(args: argparse.Namespace, max_n: int, on_availability: Callable[[bool], None]) -> Backend:
@@ -97,7 +105,7 @@ def connect(args: argparse.Namespace, max_n: int, on_availability: Callable[[boo
                              info.dtype)
     metrics = ServingMetrics(args.ttft_slo_ms, args.tpot_slo_ms)
     loop = EngineLoop(Engine(scheduler, executor, limits, identity, args.overlap), metrics, args.max_waiting_requests,
-                      sidecars, args.recovery_timeout, on_availability)
+                      sidecars, args.recovery_timeout, on_availability, args.stream_interval)
     loop.start()
     return Backend(loop, tokenizer, info)
 

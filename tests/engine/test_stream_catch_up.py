@@ -1,6 +1,7 @@
 """A streaming caller that falls behind the engine gets the steps it missed as one chunk per sample (fewer,
 larger messages from a loaded server), with the same tokens, logprobs and text as a caller that kept up; with
-stop strings it still gets them token by token, so that nothing after a stop string is sent."""
+stop strings it still gets them token by token, so that nothing after a stop string is sent. A stream interval
+sends the first token at once, then a chunk every that many steps."""
 
 from __future__ import annotations
 
@@ -49,12 +50,18 @@ def by_sample(chunks: list[Chunk]) -> dict[int, tuple[list[int], list[float], st
     return samples
 
 
-def test_a_caller_that_falls_behind_gets_the_missed_steps_joined(make_engine: EngineFactory) -> None:
+def serving_on(make_engine: EngineFactory, stream_interval: int = 1) -> tuple[Serving, EngineLoop, Any]:
     engine, manager = make_engine()
-    loop = EngineLoop(engine, ServingMetrics(ttft_slo_ms=1e6, tpot_slo_ms=1e6), max_waiting_requests=8)
+    loop = EngineLoop(engine, ServingMetrics(ttft_slo_ms=1e6, tpot_slo_ms=1e6), max_waiting_requests=8,
+                      stream_interval=stream_interval)
     info = ExecutorInfo("tiny", "digest", "float32", "cpu", VOCAB, 256, 4, 256, 0, (), "torch")
     serving = Serving()
     serving.attach(Backend(loop, load_tokenizer(resolve_model("smollm2-135m")), info))
+    return serving, loop, manager
+
+
+def test_a_caller_that_falls_behind_gets_the_missed_steps_joined(make_engine: EngineFactory) -> None:
+    serving, loop, manager = serving_on(make_engine)
 
     async def scenario() -> tuple[list[Chunk], list[Chunk], list[Chunk]]:
         kept_up = await read(serving, "kept-up")
@@ -79,3 +86,21 @@ def test_a_caller_that_falls_behind_gets_the_missed_steps_joined(make_engine: En
     assert by_sample(with_stop) == expected
     assert [len(chunk.token_ids) for chunk in with_stop] == [1] * 24  # stop strings: token by token
     assert manager.stats().num_used_blocks == 0
+
+
+def test_a_stream_interval_sends_the_first_token_at_once_then_a_chunk_every_n_steps(
+    make_engine: EngineFactory,
+) -> None:
+    chunks: dict[int, list[Chunk]] = {}
+    for interval in (1, 4):
+        serving, loop, manager = serving_on(make_engine, interval)
+        loop.start()
+        try:
+            chunks[interval] = asyncio.run(read(serving, f"every-{interval}"))
+        finally:
+            loop.stop()
+        assert manager.stats().num_used_blocks == 0
+    assert by_sample(chunks[4]) == by_sample(chunks[1])  # seeded: the same samples, cut differently
+    # 12 tokens of each of two samples: the first step's at once, then 4 steps at a time, the last 3 at the end
+    assert [(chunk.index, len(chunk.token_ids)) for chunk in chunks[4]] == [
+        (0, 1), (1, 1), (0, 4), (1, 4), (0, 4), (1, 4), (0, 3), (1, 3)]
