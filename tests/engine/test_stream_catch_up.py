@@ -19,7 +19,7 @@ from pagedserve.services.frontend.engine import Engine
 from pagedserve.services.frontend.engine_loop import EngineLoop
 from pagedserve.services.frontend.generation import Backend, Chunk, Serving, Usage
 from pagedserve.services.frontend.metrics import ServingMetrics
-from pagedserve.services.frontend.request import GenerationParams
+from pagedserve.services.frontend.request import GenerationParams, StepOutput
 
 EngineFactory = Callable[..., tuple[Engine, Any]]  # the make_engine fixture (tests/engine/conftest.py)
 PROMPT = list(range(40, 57))
@@ -104,3 +104,39 @@ def test_a_stream_interval_sends_the_first_token_at_once_then_a_chunk_every_n_st
     # 12 tokens of each of two samples: the first step's at once, then 4 steps at a time, the last 3 at the end
     assert [(chunk.index, len(chunk.token_ids)) for chunk in chunks[4]] == [
         (0, 1), (1, 1), (0, 4), (1, 4), (0, 4), (1, 4), (0, 3), (1, 3)]
+
+
+def test_outputs_held_for_the_stream_interval_reach_the_caller_before_a_failure(make_engine: EngineFactory) -> None:
+    """Tokens the engine recorded are the caller's even when a failed step ends the request while they wait for
+    the stream interval: they come first, then the error."""
+    engine, manager = make_engine()
+    loop = EngineLoop(engine, ServingMetrics(ttft_slo_ms=1e6, tpot_slo_ms=1e6), max_waiting_requests=8,
+                      stream_interval=1000)
+
+    async def scenario() -> tuple[int, int, object]:
+        events = loop.submit("held", PROMPT, GenerationParams(max_tokens=200, ignore_eos=True), b"")
+        first = await asyncio.wait_for(events.get(), 60)  # the first token comes at once
+        assert isinstance(first, StepOutput)
+        request = first.request
+        deadline = time.monotonic() + 60
+        while len(request.seqs[0].output_token_ids) < 6:  # a few more recorded, held for the interval
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert events.empty()
+
+        def broken(step: object) -> None:
+            raise RuntimeError("the executor broke")
+
+        loop.engine.executor.runner.execute = broken  # type: ignore[attr-defined]
+        received = sum(len(o.new_token_ids) for o in first.outputs)
+        while isinstance(event := await asyncio.wait_for(events.get(), 60), StepOutput):
+            received += sum(len(o.new_token_ids) for o in event.outputs)
+        return received, len(request.seqs[0].output_token_ids), event
+
+    loop.start()
+    try:
+        received, recorded, end = asyncio.run(scenario())
+    finally:
+        loop.stop()
+    assert isinstance(end, RuntimeError) and received == recorded >= 6
+    assert manager.stats().num_used_blocks == 0
