@@ -1,19 +1,19 @@
 """`pagedserve bench overhead`: how much of the accelerator's time the frontend and the block manager cost.
 
-The real frontend and the real block manager, each its own process talking gRPC as in a pod, drive an
-executor stand-in (benchmarks/standin_executor.py) that holds every step for a fixed time instead of
-running a model: it stands in for an accelerator that is busy that long, so whatever else the wall time
-holds is the serving stack's own overhead. For each of 64 and 256 running sequences and 10 ms and 2 ms
-steps, that many unary requests (short prompts, EOS ignored; `--stream`: streaming ones, every chunk read)
-run together, with overlapped steps (the default) and serial ones. Over the steps in which every sequence
-decodes (the edges dropped), the overhead is 1 - (time the stand-in held steps) / (wall time from the first
-step's start to the last's end). `gap_ms` is the mean gap between two steps, and `gap_waiting_for_frontend_ms`
-the part of it before the next step had even arrived; the rest is the executor's own time between two steps.
-Keys: `overhead_frac_<seqs>_<ms>ms` (overlapped) and `serial_overhead_frac_<seqs>_<ms>ms`; with them the
-CPU time the frontend, the block manager and the stand-in spent per step (from /proc), and
+The real frontend and the real block manager, each its own process talking gRPC as in a pod (the sidecar links on
+unix sockets, the callers on TCP loopback), drive an executor stand-in (benchmarks/standin_executor.py) that holds
+every step for a fixed time instead of running a model: it stands in for an accelerator that is busy that long, so
+whatever else the wall time holds is the serving stack's own overhead. For each of 64 and 256 running sequences and
+10 ms and 2 ms steps, that many unary requests (short prompts, EOS ignored; `--stream`: streaming ones, every chunk
+read) run together, with overlapped steps (the default) and serial ones. Over the steps in which every sequence
+decodes (the edges dropped), the overhead is 1 - (time the stand-in held steps) / (wall time from the first step's
+start to the last's end). `gap_ms` is the mean gap between two steps, and `gap_waiting_for_frontend_ms` the part of
+it before the next step had even arrived; the rest is the executor's own time between two steps. Keys:
+`overhead_frac_<seqs>_<ms>ms` (overlapped) and `serial_overhead_frac_<seqs>_<ms>ms`; with them the CPU time the
+frontend, the block manager and the stand-in spent per step (from /proc), and
 `cpu_floor_overhead_frac_<seqs>_<ms>ms`: the least overhead the machine's `cores` allow that CPU, 1 - (time the
-stand-in held steps) / (the three processes' CPU over the window / cores). Where the overhead is near its
-floor, the machine's cores, not the design's waits, are the limit.
+stand-in held steps) / (the three processes' CPU over the window / cores). Where the overhead is near its floor,
+the machine's cores, not the design's waits, are the limit.
 """
 
 from __future__ import annotations
@@ -60,17 +60,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         " stand-in; --step-ms is then ignored and the keys end in _real")
 
 
-def _start_stand_in(args: list[str]) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "pagedserve.benchmarks.standin_executor", "--listen", "127.0.0.1:0", *args]
+def _start_stand_in(listen: str, args: list[str]) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "pagedserve.benchmarks.standin_executor", "--listen", listen, *args]
     env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert proc.stdout is not None
-    for line in proc.stdout:  # the servers print "listening on HOST:PORT (port N)" once bound
+    for line in proc.stdout:  # the servers print "listening on ADDRESS" once bound
         if line.startswith("listening on"):
-            port = line.rsplit("(port ", 1)[1].rstrip(")\n")
-            address = f"127.0.0.1:{port}"
-            wait_serving(address, 120, proc)
-            return proc, address
+            wait_serving(listen, 120, proc)
+            return proc
     raise RuntimeError(f"the executor stand-in exited with {proc.wait()}")
 
 
@@ -80,13 +78,16 @@ def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: boo
     num_blocks = num_seqs * (-(-(tokens + 32) // 16)) + 64
     with tempfile.TemporaryDirectory() as tmp:
         timeline_file = Path(tmp) / "timeline.json"
-        stand_in, executor_address = _start_stand_in([
+        # the sidecar links on unix sockets, as in a pod and under `pagedserve serve`
+        executor_address, block_manager_address = f"unix:{tmp}/executor.sock", f"unix:{tmp}/block-manager.sock"
+        stand_in = _start_stand_in(executor_address, [
             "--model", model, "--num-blocks", str(num_blocks), "--step-ms", str(step_ms),
             "--timeline", str(timeline_file), *(["--device", device] if device else [])])
         services: list[ServiceProcess] = []
         try:
-            services.append(start_service(["block-manager", "--geometry-from", executor_address]))
-            frontend_args = ["frontend", "--block-manager", services[0].address, "--executor", executor_address,
+            services.append(start_service(["block-manager", "--geometry-from", executor_address],
+                                          listen=block_manager_address))
+            frontend_args = ["frontend", "--block-manager", block_manager_address, "--executor", executor_address,
                              "--model", model, "--max-num-seqs", str(num_seqs),
                              "--max-num-batched-tokens", str(max(2048, num_seqs * 32)),
                              "--max-waiting-requests", str(num_seqs + 1), "--max-streams-per-tenant", str(num_seqs)]
