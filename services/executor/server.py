@@ -165,22 +165,29 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         finally:
             arriving.cancel()
 
+    def accept(self, request: pb.ExecuteRequest) -> StepInput:
+        """The step a request asks for, with the held tables and sampling parameters filled in, its own recorded
+        as held; or the error that refuses it (nothing recorded). Held inputs are those of the steps that
+        arrived before it (a step behind a failed one never runs)."""
+        if self.runner is None:
+            raise NotReady("the model is still loading")
+        step = step_from_proto(request, self.tables)
+        if request.epoch != self.epoch:  # UNAVAILABLE: to its sender this executor is lost (restarted, or reset)
+            raise NotReady(f"epoch: the step is of epoch {request.epoch}, the executor's is {self.epoch}")
+        step = self.tables.resolve(step, request.table_held, request.table_kept)
+        self.tables.commit(step, samplings_sent=len(request.temperature) > 0)
+        return step
+
     def _queue(self, request: pb.ExecuteRequest,
                stream: _Stream) -> tuple[asyncio.Future[list[SampledToken]], StepInput | None]:
-        """The step, queued for the step thread, and its input; or its error, to be answered in its turn. Held
-        tables are filled in here, while the step before runs, not between two steps on the step thread: they
-        are those of the steps that arrived before it (a step behind a failed one never runs)."""
+        """The step, queued for the step thread, and its input; or its error, to be answered in its turn. It is
+        accepted here, while the step before runs, not between two steps on the step thread."""
+        runner = self.runner
         try:
-            runner = self.runner
-            if runner is None:
-                raise NotReady("the model is still loading")
-            step = step_from_proto(request, self.tables)
-            if request.epoch != self.epoch:  # UNAVAILABLE: to its sender this executor is lost (restarted, or reset)
-                raise NotReady(f"epoch: the step is of epoch {request.epoch}, the executor's is {self.epoch}")
-            step = self.tables.resolve(step, request.table_held, request.table_kept)
+            step = self.accept(request)
         except Exception as exc:
             return _failed(exc), None
-        self.tables.commit(step, samplings_sent=len(request.temperature) > 0)
+        assert runner is not None  # else accept refused it
         return asyncio.get_running_loop().run_in_executor(self.thread, self._run_step, runner, step, request.epoch,
                                                           stream), step
 
