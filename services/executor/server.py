@@ -34,21 +34,27 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 
 
 def step_from_proto(r: pb.ExecuteRequest, held: HeldInputs | None = None) -> StepInput:
-    """Splits the packed arrays into sequences, with the sampling parameters `held` for them filled in
-    (`sampling_held`; the tables are `held.resolve`'s); InvalidRequest when their lengths disagree."""
-    num_seqs = len(r.seq_ids)
+    """Splits the packed arrays into sequences, with the tables and sampling parameters `held` for them filled in
+    (`table_held`, `table_kept`, `sampling_held`); InvalidRequest when their lengths disagree or an input is not
+    held. Each repeated field is read once (a pass over one makes its ints anew), and in the steady state (every
+    sequence decodes, every input held) nothing is walked by a Python loop."""
+    held = held if held is not None else HeldInputs()
+    seq_ids = list(r.seq_ids)
+    num_seqs = len(seq_ids)
     for name in ("num_tokens", "start_positions", "block_table_lens", "sample"):
         if len(getattr(r, name)) != num_seqs:
             raise InvalidRequest(f"{name}: {len(getattr(r, name))} entries for {num_seqs} sequences")
-    num_tokens, table_lens = list(r.num_tokens), list(r.block_table_lens)
-    if r.table_held:
-        if len(r.table_held) != num_seqs:
-            raise InvalidRequest(f"table_held: {len(r.table_held)} entries for {num_seqs} sequences (or none)")
-        if any(map(operator.and_, r.table_held, table_lens)):  # in C; the index only for the error
-            bad = next(i for i, (held, n) in enumerate(zip(r.table_held, table_lens, strict=True)) if held and n)
+    num_tokens, table_lens, table_held = list(r.num_tokens), list(r.block_table_lens), list(r.table_held)
+    if table_held:
+        if len(table_held) != num_seqs:
+            raise InvalidRequest(f"table_held: {len(table_held)} entries for {num_seqs} sequences (or none)")
+        if any(table_lens) and any(map(operator.and_, table_held, table_lens)):  # in C; the index for the error
+            bad = next(i for i, (is_held, n) in enumerate(zip(table_held, table_lens, strict=True)) if is_held and n)
             raise InvalidRequest(f"block_table_lens[{bad}]: {table_lens[bad]} blocks for a table the executor holds"
                                  " (table_held): must be 0")
-    for name, wanted in (("token_ids", sum(num_tokens)), ("slot_mapping", sum(num_tokens)),
+    decodes = num_tokens.count(1) == num_seqs  # one token each
+    num_all_tokens = num_seqs if decodes else sum(num_tokens)
+    for name, wanted in (("token_ids", num_all_tokens), ("slot_mapping", num_all_tokens),
                          ("block_tables", sum(table_lens))):
         if len(getattr(r, name)) != wanted:
             raise InvalidRequest(f"{name}: {len(getattr(r, name))} entries, the sequences' lengths add up to {wanted}")
@@ -61,26 +67,29 @@ def step_from_proto(r: pb.ExecuteRequest, held: HeldInputs | None = None) -> Ste
         top_p = [p if p > 0 else 1.0 for p in top_p]
     sent = list(map(new_row, repeat(SamplingParams),  # checked equally long just above
                     zip(r.temperature, r.top_k, top_p, r.seed, r.num_top_logprobs, strict=True)))
-    sampled = (held or HeldInputs()).resolve_sampling(list(compress(r.seq_ids, flags)), list(r.sampling_held), sent)
+    all_sample = flags.count(True) == num_seqs
+    sampled = held.resolve_sampling(seq_ids if all_sample else list(compress(seq_ids, flags)), list(r.sampling_held),
+                                    sent)
     params: Sequence[SamplingParams | None] = sampled
-    if len(sampled) < num_seqs:  # some sequences do not sample (prefill chunks)
+    if not all_sample:  # some sequences do not sample (prefill chunks)
         each = iter(sampled)
         params = [next(each) if sample else None for sample in flags]
     tokens, slots, tables = list(r.token_ids), list(r.slot_mapping), list(r.block_tables)
-    if num_tokens.count(1) == num_seqs:  # decodes: one token each
+    if decodes:
         token_lists, slot_lists = [[t] for t in tokens], [[s] for s in slots]
     else:
         ends = list(accumulate(num_tokens))
         token_lists = [tokens[end - n : end] for n, end in zip(num_tokens, ends, strict=True)]
         slot_lists = [slots[end - n : end] for n, end in zip(num_tokens, ends, strict=True)]
+    table_lists: Sequence[Sequence[int]] = [()] * num_seqs  # every table held: `resolve_tables` fills them all
     if tables:
-        table_lists: Sequence[Sequence[int]] = [
-            tables[end - n : end] for n, end in zip(table_lens, accumulate(table_lens), strict=True)]
-    else:  # the steady state: every table held (filled in by `HeldInputs.resolve`)
-        table_lists = [()] * num_seqs
+        table_lists = [tables[end - n : end] for n, end in zip(table_lens, accumulate(table_lens), strict=True)]
+    table_kept = list(r.table_kept)
+    if table_held or table_kept:
+        table_lists = held.resolve_tables(seq_ids, table_lists, table_held, table_kept)
     # columns to rows in C (map over the columns), not one Python pass per sequence
     sequences = list(map(new_row, repeat(SequenceInput),
-                         zip(r.seq_ids, token_lists, r.start_positions, table_lists, slot_lists, params, strict=True)))
+                         zip(seq_ids, token_lists, r.start_positions, table_lists, slot_lists, params, strict=True)))
     return StepInput(
         sequences,
         swap_out=[(c.src, c.dst) for c in r.swap_out],
@@ -171,10 +180,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         arrived before it (a step behind a failed one never runs)."""
         if self.runner is None:
             raise NotReady("the model is still loading")
-        step = step_from_proto(request, self.tables)
-        if request.epoch != self.epoch:  # UNAVAILABLE: to its sender this executor is lost (restarted, or reset)
+        if request.epoch != self.epoch:  # UNAVAILABLE: to its sender this executor is lost (restarted, or reset);
+            # checked first: its held inputs are another epoch's, unknown here
             raise NotReady(f"epoch: the step is of epoch {request.epoch}, the executor's is {self.epoch}")
-        step = self.tables.resolve(step, request.table_held, request.table_kept)
+        step = step_from_proto(request, self.tables)
         self.tables.commit(step, samplings_sent=len(request.temperature) > 0)
         return step
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import _operator as operator  # the standard library's (this package has an `operator` of its own)
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import compress, repeat
 from typing import NamedTuple
 
@@ -115,7 +115,7 @@ class HeldInputs:
     """The block tables and sampling parameters a remote executor holds, so that a step names only the tables
     that changed (the `table_held` field of ExecuteRequest), and of a changed one only its new blocks
     (`table_kept`), and sends a sequence's sampling parameters once (`sampling_held`). The frontend's side
-    (`sent`, `sent_sampling`) and the executor's (`resolve`, `resolve_sampling`, then `commit` as the step is
+    (`sent`, `sent_sampling`) and the executor's (`resolve_tables`, `resolve_sampling`, then `commit` as the step is
     queued) follow the same rules: an input is held from a step sent (on the executor's side: accepted,
     queued) until its sequence is released or the executor resets. A step that fails voids the steps behind
     it, and the frontend fails its requests."""
@@ -182,43 +182,38 @@ class HeldInputs:
                 held[seq_ids[i]] = tables[i]
         return mask, kept
 
-    def resolve(self, step: StepInput, held: Sequence[bool], kept: Sequence[int] = ()) -> StepInput:
-        """The executor's side: the step with every held table filled in, and every kept prefix put back in
-        front of the blocks sent (InvalidRequest for a table not held, or shorter than its kept prefix).
+    def resolve_tables(self, seq_ids: Sequence[int], sent: Sequence[Sequence[int]], held: Sequence[bool],
+                       kept: Sequence[int] = ()) -> list[Sequence[int]]:
+        """The executor's side, by columns: each sequence's table, a held one filled in and a kept prefix put back
+        in front of the blocks `sent` (InvalidRequest for a table not held, or shorter than its kept prefix).
         Changes nothing: `commit` records the step's new tables."""
-        tables, seqs = self.tables, step.sequences
-        if held and len(held) != len(seqs):
-            raise InvalidRequest(f"table_held: {len(held)} entries for {len(seqs)} sequences (or none)")
-        if kept and len(kept) != len(seqs):
-            raise InvalidRequest(f"table_kept: {len(kept)} entries for {len(seqs)} sequences (or none)")
-        if not any(held) and not any(kept):
-            return step
-        # by columns (rows rebuilt in C): every sequence, every step
-        seq_ids, token_ids, starts, block_tables, slots, sampling = zip(*seqs, strict=True)
+        tables, num_seqs = self.tables, len(seq_ids)
+        if held and len(held) != num_seqs:
+            raise InvalidRequest(f"table_held: {len(held)} entries for {num_seqs} sequences (or none)")
+        if kept and len(kept) != num_seqs:
+            raise InvalidRequest(f"table_kept: {len(kept)} entries for {num_seqs} sequences (or none)")
+        filled = list(sent)
         try:
-            if held and all(held):  # the steady state
+            if held and all(held):  # the steady state: every sequence, every step
                 filled = list(map(tables.__getitem__, seq_ids))
-            else:
-                filled = list(block_tables)
-                for i in compress(range(len(seqs)), held):
+            elif held:
+                for i in compress(range(num_seqs), held):
                     filled[i] = tables[seq_ids[i]]
-            for i in compress(range(len(seqs)), kept):  # a changed table's kept prefix
+            for i in compress(range(num_seqs), kept):  # a changed table's kept prefix
                 if held and held[i]:
                     raise InvalidRequest(f"table_kept[{i}]: {kept[i]} for a table the executor holds (table_held):"
                                          " must be 0")
                 prefix = tables[seq_ids[i]]
                 if kept[i] > len(prefix):
                     raise InvalidRequest(f"table_kept[{i}]: {kept[i]} entries of a held table of {len(prefix)}")
-                filled[i] = [*prefix[: kept[i]], *block_tables[i]]
+                filled[i] = [*prefix[: kept[i]], *sent[i]]
         except KeyError:
             i = next(i for i, seq_id in enumerate(seq_ids) if ((held and held[i]) or (kept and kept[i]))
                      and seq_id not in tables)
             field_name = "table_held" if held and held[i] else "table_kept"
             raise InvalidRequest(f"{field_name}[{i}]: this executor holds no block table for sequence {seq_ids[i]}"
                                  " (send it)") from None
-        sequences = list(map(new_row, repeat(SequenceInput), zip(
-            seq_ids, token_ids, starts, filled, slots, sampling, strict=True)))
-        return replace(step, sequences=sequences)
+        return filled
 
     def commit(self, step: StepInput, samplings_sent: bool = True) -> None:
         """Records the step's inputs as held; its sampling parameters only where some were sent (else every one

@@ -1,5 +1,5 @@
-"""The executor's step message, both ends: what the frontend sends (step_to_proto, held tables left out) is what
-the executor runs (step_from_proto, then its held tables filled in), for any mix of prefill chunks, decodes,
+"""The executor's step message, both ends: what the frontend sends (step_to_proto, held inputs left out) is what
+the executor runs (step_from_proto, its held inputs filled in), for any mix of prefill chunks, decodes,
 sampling and not, over a run of steps in which tables change, are held and are released."""
 
 from __future__ import annotations
@@ -79,8 +79,7 @@ def test_the_executor_runs_the_step_the_frontend_sent(run: list[StepInput]) -> N
     sent_sampling: dict[int, object] = {}  # and its sampling parameters
     for step in run:
         request = pb.ExecuteRequest.FromString(step_to_proto(step, 3, sender).SerializeToString())
-        received = receiver.resolve(step_from_proto(request, receiver), list(request.table_held),
-                                    list(request.table_kept))
+        received = step_from_proto(request, receiver)
         receiver.commit(received)
         assert as_lists(received) == as_lists(step)
         assert (received.step_id, list(received.released_seq_ids)) == (step.step_id, list(step.released_seq_ids))
@@ -133,9 +132,8 @@ def test_a_kept_prefix_without_held_tables_touches_only_its_sequence() -> None:
     blocks; one with 0 keeps its own table, held or not."""
     receiver = HeldInputs()
     receiver.tables = {1: [10, 11, 12]}
-    step = StepInput([SequenceInput(1, [5], 12, [13], [52], None), SequenceInput(2, [6], 0, [20], [80], None)])
-    resolved = receiver.resolve(step, (), [3, 0])
-    assert [list(s.block_table) for s in resolved.sequences] == [[10, 11, 12, 13], [20]]
+    resolved = receiver.resolve_tables([1, 2], [[13], [20]], (), [3, 0])
+    assert [list(table) for table in resolved] == [[10, 11, 12, 13], [20]]
 
 
 def test_sampling_parameters_are_sent_once_and_refused_when_not_held() -> None:
