@@ -39,6 +39,7 @@ from ..services.executor.options import ExecutorConfig
 from ..services.executor.server import ExecutorServicer, tokens_to_proto
 from ..services.executor.step_types import HeldInputs, SampledToken, StepInput
 from ..services.frontend.engine import Engine, EngineLimits, ModelIdentity
+from ..services.frontend.public_options import positive_int
 from ..services.frontend.request import FinishReason, GenerationParams, Request
 from ..services.frontend.scheduler import Scheduler, SchedulerConfig
 from .report import emit
@@ -54,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.add_argument("--out", type=Path, help="also write the JSON object to this file")
     parser.add_argument("--seqs", default="1,64,256", help="comma-separated numbers of running sequences")
-    parser.add_argument("--tokens", type=int, default=200, help="new tokens per request")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per number of sequences (medians reported)")
+    parser.add_argument("--tokens", type=positive_int, default=200, help="new tokens per request")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="runs per number of sequences (medians reported)")
 
 
 class _Clock:

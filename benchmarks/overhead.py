@@ -38,6 +38,7 @@ import numpy
 from ..protos import inference_pb2 as pb
 from ..protos import inference_pb2_grpc as pb_grpc
 from ..services.common.processes import ServiceProcess, start_service, stop_service, wait_serving
+from ..services.frontend.public_options import positive_int
 from .report import emit
 
 PROMPT = "Count the waves: one, two, three,"
@@ -50,12 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="whose tokenizer the frontend loads")
     parser.add_argument("--seqs", default="64,256", help="comma-separated numbers of running sequences")
     parser.add_argument("--step-ms", default="10,2", help="comma-separated stand-in step times")
-    parser.add_argument("--tokens", type=int, default=160, help="new tokens per request")
+    parser.add_argument("--tokens", type=positive_int, default=160, help="new tokens per request")
     parser.add_argument("--modes", default="overlap,serial", help="overlap, serial or both")
     parser.add_argument("--stream", action="store_true", help="streaming callers (Generate, every chunk read by one"
                         " asyncio client) instead of unary ones; the keys end in _stream")
-    parser.add_argument("--stream-interval", type=int, default=1, help="the frontend's --stream-interval (steps per"
-                        " chunk after the first)")
+    parser.add_argument("--stream-interval", type=positive_int, default=1,
+                        help="the frontend's --stream-interval (steps per chunk after the first)")
     parser.add_argument("--device", default="", help="run the real executor on this device (cuda) instead of the"
                         " stand-in; --step-ms is then ignored and the keys end in _real")
 

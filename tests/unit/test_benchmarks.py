@@ -129,3 +129,13 @@ def test_bench_offline_json_smoke(tmp_path: Path) -> None:
     missing = subprocess.run([*cmd[:-2], "--peer", "vllm", "--peer-venv", str(tmp_path / "no-venv")],
                              capture_output=True, text=True, timeout=300, env=env)
     assert missing.returncode != 0 and "benchmarks/peers/setup-vllm.sh" in missing.stderr
+
+
+@pytest.mark.parametrize("argv", [["host-step", "--repeats", "0"], ["host-step", "--tokens", "-3"],
+                                  ["overhead", "--stream-interval", "0"], ["overhead", "--tokens", "0"]])
+def test_bench_counts_must_be_positive(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedserve.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser(["bench", *argv]).parse_args(["bench", *argv])
+    assert "must be >= 1" in capsys.readouterr().err
