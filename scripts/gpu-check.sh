@@ -10,6 +10,8 @@
 #   executor       bench executor on the GPU (bf16): throughput vs HF generate(), a decode step vs its matmuls
 #   serve          bench serve on the GPU: the three-process stack under the ShareGPT-shaped workload
 #   overhead       bench overhead with the real executor on the GPU (64 and 256 sequences), overlapped/serial
+#   overhead-cores bench overhead with the stand-in on this host's many cores (no GPU): the design's own overhead,
+#                  without the two-core contention of CI machines; host-step: the same steps' CPU in one process
 # then OUT_DIR/gpu.md: one table of every step's status and its JSON keys, for docs/gpu.md.
 # Without a visible CUDA GPU it says so and exits 2 before running anything.
 set -uo pipefail
@@ -48,6 +50,8 @@ step model 90 bench model --device cuda --dtypes bfloat16,float16 --json --out "
 step executor 90 bench executor --device cuda --dtype bfloat16 --repeats 1 --json --out "$OUT/executor.json"
 step serve 120 bench serve --device cuda --json --out "$OUT/serve.json" --plot "$OUT/serve.png"
 step overhead 120 bench overhead --device cuda --seqs 64,256 --json --out "$OUT/overhead.json"
+step overhead-cores 60 bench overhead --seqs 64,256 --step-ms 10,2 --modes overlap --json --out "$OUT/overhead-cores.json"
+step host-step 30 bench host-step --seqs 1,64,256 --json --out "$OUT/host-step.json"
 
 "$PY" - "$OUT" <<'EOF' > "$OUT/gpu.md"
 import json, pathlib, sys
