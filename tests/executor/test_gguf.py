@@ -16,10 +16,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from model_testing import PagedRunner, hf_logits, make_hf_model, prefill_logits, random_prompts
 
-from pagedserve.kernels import get_backend
+from pagedserve.kernels import cpu_unavailable_reason, get_backend
 from pagedserve.services.executor.model import ModelConfig, RopeScaling, load_model
 from pagedserve.services.executor.model.gguf_file import GGUFFile
-from pagedserve.services.executor.model.gguf_loader import dequantize_tensor, unpermute_rope_rows
+from pagedserve.services.executor.model.gguf_loader import GGUFRows, dequantize_tensor, unpermute_rope_rows
+from pagedserve.services.executor.model.llama import RowsEmbedding
 
 # Tolerance against the original values, as a fraction of the tensor's largest |value|: a half step of
 # the format's grid (per-block scales in fp16 add a little), with margin.
@@ -54,6 +55,18 @@ def test_dequantize_tensor(qtype: Q, tmp_path: Path) -> None:
     assert error <= QUANT_TOLERANCE[qtype], f"{qtype.name}: relative error {error:.3g}"
 
 
+@pytest.mark.parametrize("qtype", list(QUANT_TOLERANCE), ids=lambda q: q.name)
+def test_rows_read_when_looked_up_are_the_dequantized_tensors_rows(qtype: Q, tmp_path: Path) -> None:
+    original = np.random.default_rng(1).normal(size=(5, 96)).astype(np.float32)
+    write_gguf(tmp_path / "t.gguf", "llama", {"token_embd.weight": (original, qtype)}, {})
+    (tensor,) = GGUFFile(tmp_path / "t.gguf").tensors
+    rows, ids = GGUFRows(tensor), torch.tensor([4, 0, 4, 2])
+    assert rows.shape == (5, 96)
+    assert torch.equal(rows(ids), dequantize_tensor(tensor)[ids])  # bit for bit, repeats and order kept
+    assert rows(torch.tensor([], dtype=torch.int64)).shape == (0, 96)
+    assert not np.shares_memory(rows.data, tensor.data)  # its own bytes: the file's map may close
+
+
 def llama_cpp_permute(weights: torch.Tensor, num_heads: int) -> torch.Tensor:
     """convert_hf_to_gguf.py's LlamaModel.permute (with n_head already set to n_head_kv for K)."""
     return (weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
@@ -70,8 +83,9 @@ def test_unpermute_undoes_llama_cpp_permute(shape: tuple[int, ...]) -> None:
     assert torch.equal(permuted[8 + 4], original[8 + 2]) and torch.equal(permuted[8 + 5], original[8 + 6])
 
 
-def hf_to_gguf(hf_model: Any, path: Path, rope_scaling_factor: float | None) -> None:
-    """What llama.cpp's converter writes for a small Llama / Qwen2 (F32 tensors, so weights stay exact)."""
+def hf_to_gguf(hf_model: Any, path: Path, rope_scaling_factor: float | None, embedding: Q = Q.F32) -> None:
+    """What llama.cpp's converter writes for a small Llama / Qwen2 (F32 tensors, so weights stay exact; the
+    embedding in `embedding`'s format)."""
     config = hf_model.config
     arch = config.model_type
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -92,7 +106,7 @@ def hf_to_gguf(hf_model: Any, path: Path, rope_scaling_factor: float | None) -> 
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[name]
-        tensors[gguf_name] = (value.numpy(), Q.F32)
+        tensors[gguf_name] = (value.numpy(), embedding if gguf_name == "token_embd.weight" else Q.F32)
     metadata: dict[str, Any] = {
         "name": f"tiny-{arch}", "vocab_size": config.vocab_size, "context_length": config.max_position_embeddings,
         "embedding_length": config.hidden_size, "feed_forward_length": config.intermediate_size,
@@ -126,3 +140,38 @@ def test_gguf_model_matches_transformers(variant: str, tmp_path: Path) -> None:
     for prompt, logits in zip(prompts, prefill_logits(PagedRunner(ours, 32, 4), prompts), strict=True):
         diff = (logits - hf_logits(hf_model, prompt)).abs().max().item()
         assert diff < 1e-4, f"max |logit diff| {diff:.2e}"
+
+
+@pytest.mark.skipif(cpu_unavailable_reason() is not None, reason=f"{cpu_unavailable_reason()}")
+def test_a_tied_gguf_model_released_keeps_no_dense_embedding_and_gives_the_same_bits(tmp_path: Path) -> None:
+    """On the cpu backend a served model keeps only the packed copy of each weight; with a tied head read from a
+    GGUF file, the embedding then reads its rows from the file's map: no dense table is left, nothing changes."""
+    hf_model = make_hf_model("llama-linear-rope-tied")
+    hf_to_gguf(hf_model, tmp_path / "tiny.gguf", hf_model.config.rope_parameters.get("factor"), embedding=Q.Q8_0)
+    kept, released = (load_model(str(tmp_path / "tiny.gguf"), torch.float32, torch.device("cpu"),
+                                 get_backend("cpu"))[0] for _ in range(2))
+    assert released.lm_head is None
+    table = released.embed_tokens.weight
+    linears = [lin for layer in released.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    expected = sum(t.numel() * t.element_size() for t in [table, *(lin.weight for lin in linears)])
+    assert released.release_plain_weights() == expected
+    assert isinstance(released.embed_tokens, RowsEmbedding) and released.embed_tokens.weight.device.type == "meta"
+    prompts = random_prompts((9, 3, 5), released.config.vocab_size, seed=4)
+    outputs = []
+    for model in (kept, released):
+        with torch.inference_mode():  # a prefill through the generic layers, then two decode steps (the fast path)
+            runner = PagedRunner(model, 32, 4)
+            first = prefill_logits(runner, prompts)
+            last = [int(logits[-1].argmax()) for logits in first]
+            steps = [torch.cat(runner.step([(seq, [token]) for seq, token in enumerate(last)])) for _ in range(2)]
+        outputs.append([torch.cat(first), *steps])
+    assert all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
+
+
+def test_an_f32_embedding_is_not_read_by_rows(tmp_path: Path) -> None:
+    """Rows in F32 would take as much memory as the loaded table: the checkpoint offers none."""
+    hf_model = make_hf_model("llama-linear-rope-tied")
+    hf_to_gguf(hf_model, tmp_path / "tiny.gguf", hf_model.config.rope_parameters.get("factor"))
+    model, _ = load_model(str(tmp_path / "tiny.gguf"), torch.float32, torch.device("cpu"), get_backend("torch"))
+    assert model.embedding_rows is None

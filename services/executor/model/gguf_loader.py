@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from .config import ModelConfig
@@ -56,6 +57,33 @@ class GGUFCheckpoint:
         elif self._permuted and ".k_proj." in name:
             weights = unpermute_rope_rows(weights, self.config.num_kv_heads)
         return weights
+
+    def rows(self, name: str) -> GGUFRows | None:
+        """A 2-D tensor's rows, kept in the file's own format and dequantized when looked up; None where that
+        saves nothing (F32) or the loader permutes the rows (Q, K)."""
+        entry = self._tensors.get(name)
+        if entry is None:
+            raise KeyError(f"GGUF file has no tensor for {name!r}")
+        if entry.tensor_type == GGMLQuantizationType.F32 or ".q_proj." in name or ".k_proj." in name:
+            return None
+        return GGUFRows(entry) if len(entry.shape) == 2 else None
+
+
+class GGUFRows:
+    """Rows of a 2-D tensor (an embedding) in the file's format (a copy of its bytes: the file's map is closed
+    after loading), dequantized when looked up: each row is the one `dequantize_tensor` gives, bit for bit
+    (every format's blocks lie within a row, and dequantizing is elementwise per block). SmolLM2's Q4_1
+    embedding: 18 MB of bytes instead of a 113 MB fp32 table."""
+
+    def __init__(self, tensor: GGUFTensor) -> None:
+        self.data, self.tensor_type = np.array(tensor.data), tensor.tensor_type
+        self.shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # [rows, columns]: GGUF lists the innermost first
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows `ids` ([n] integers, on the CPU) as an fp32 tensor [n, columns]."""
+        picked = self.data[ids.numpy()]  # quantized formats: [n, bytes per row]; plain ones: [n, columns]
+        values = dequantize(picked, self.tensor_type) if len(picked) else np.empty((0, self.shape[1]))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(len(picked), self.shape[1]))
 
 
 def hf_name(gguf_name: str) -> str | None:

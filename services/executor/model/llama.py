@@ -15,6 +15,8 @@ in the same order, its checks, buffers and lookups once per step rather than onc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -124,6 +126,20 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(x_normed)
 
 
+class RowsEmbedding(nn.Module):
+    """An embedding whose rows come from the checkpoint's memory map as they are looked up (`Checkpoint.rows`:
+    the loaded values, bit for bit), so that no dense table is held: what a tied LM head leaves behind once its
+    packed copy is the only dense one. `weight` is a meta tensor of the table's shape: nothing reads it."""
+
+    def __init__(self, rows: Callable[[torch.Tensor], torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.rows, self.dtype = rows, dtype
+        self.weight = torch.empty(shape, dtype=dtype, device="meta")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(input_ids.cpu()).to(device=input_ids.device, dtype=self.dtype)
+
+
 class LlamaForCausalLM(nn.Module):
     """Parameter names are those of transformers with q/k/v fused into `qkv_proj` (rows in q, k, v order)
     and gate/up into `gate_up_proj` (gate rows first); `lm_head` is absent when embeddings are tied."""
@@ -142,6 +158,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
         self.head_packed = PackedWeight()  # the LM head's weight (the embedding's if tied), as the backend keeps it
+        # the loader's way to read the embedding's rows from the checkpoint (None: it cannot): release_plain_weights
+        self.embedding_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.backend = backend
         self.plain_weights_released = False
 
@@ -149,8 +167,9 @@ class LlamaForCausalLM(nn.Module):
         """On a backend that multiplies by packed copies (the cpu backend's oneDNN layout), packs every linear
         weight now and lets the plain ones go (meta tensors of their shapes stand in), instead of
         holding both: for a served model, whose weights never change. Returns the bytes let go (0 on another
-        backend). The model then runs on packing backends only. An untied LM head is released too; a tied one
-        is the embedding's weight, which the embedding reads."""
+        backend). The model then runs on packing backends only. An untied LM head is released too; so is a tied
+        one where the loader can read the embedding's rows from the checkpoint (`embedding_rows`: a GGUF file),
+        which the embedding then does; otherwise the embedding keeps the weight it shares with the head."""
         if self.backend.linear is not linear_packed:
             return 0
         layers: list[tuple[nn.Linear, PackedWeight]] = [
@@ -164,6 +183,11 @@ class LlamaForCausalLM(nn.Module):
                 if weight.device.type != "meta":
                     module.weight = nn.Parameter(packed.release(weight), requires_grad=False)
                     released += weight.numel() * weight.element_size()
+            table = self.embed_tokens.weight
+            if self.lm_head is None and self.embedding_rows is not None and table.device.type == "cpu":
+                self.head_packed.release(table)
+                self.embed_tokens = RowsEmbedding(self.embedding_rows, table.shape, table.dtype)  # type: ignore[assignment]
+                released += table.numel() * table.element_size()
         self.plain_weights_released = True
         return released
 

@@ -7,6 +7,7 @@ device. Formats only have to hand out tensors by transformers name (`Checkpoint`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -24,6 +25,11 @@ class Checkpoint(Protocol):
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor of this transformers name, on the CPU, in the checkpoint's dtype (KeyError if absent)."""
+        ...
+
+    def rows(self, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The same tensor's rows read only when looked up (ids -> [n, columns] in `tensor`'s dtype), or None
+        where the format cannot (then the loaded tensor is all there is)."""
         ...
 
 
@@ -46,6 +52,7 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device=device, dtype=dtype)  # the rotary tables, computed on the CPU in fp32
     model.requires_grad_(False)
+    model.embedding_rows = checkpoint.rows("model.embed_tokens.weight")  # see release_plain_weights
     return model.eval(), config
 
 

@@ -40,3 +40,7 @@ class SafetensorsCheckpoint:
         if handle is None:
             raise KeyError(f"checkpoint has no tensor {name!r}")
         return handle.get_tensor(name)
+
+    def rows(self, name: str) -> None:
+        """Not read by rows here (safetensors slices by ranges, not by lists of ids): the loaded tensor is kept."""
+        return None
