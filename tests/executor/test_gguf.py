@@ -169,9 +169,21 @@ def test_a_tied_gguf_model_released_keeps_no_dense_embedding_and_gives_the_same_
     assert all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
 
 
+@pytest.mark.skipif(cpu_unavailable_reason() is not None, reason=f"{cpu_unavailable_reason()}")
 def test_an_f32_embedding_is_not_read_by_rows(tmp_path: Path) -> None:
-    """Rows in F32 would take as much memory as the loaded table: the checkpoint offers none."""
+    """Rows in F32 would take as much memory as the loaded table: the checkpoint offers none, and the embedding keeps
+    its table."""
     hf_model = make_hf_model("llama-linear-rope-tied")
     hf_to_gguf(hf_model, tmp_path / "tiny.gguf", hf_model.config.rope_parameters.get("factor"))
+    model, _ = load_model(str(tmp_path / "tiny.gguf"), torch.float32, torch.device("cpu"), get_backend("cpu"))
+    assert model.embedding_rows is None
+    model.release_plain_weights()
+    assert model.embed_tokens.weight.device.type == "cpu"  # the table, shared with the head's packed copy's source
+
+
+def test_rows_are_kept_only_where_the_packed_head_will_be_the_only_dense_copy(tmp_path: Path) -> None:
+    """The torch backend multiplies by the embedding's own table: no copy of the file's bytes is kept for it."""
+    hf_model = make_hf_model("llama-linear-rope-tied")
+    hf_to_gguf(hf_model, tmp_path / "tiny.gguf", hf_model.config.rope_parameters.get("factor"), embedding=Q.Q8_0)
     model, _ = load_model(str(tmp_path / "tiny.gguf"), torch.float32, torch.device("cpu"), get_backend("torch"))
     assert model.embedding_rows is None

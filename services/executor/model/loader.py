@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from ....kernels import KernelBackend
+from ....kernels.linear_ops import linear_packed
 from .config import ModelConfig
 from .gguf_loader import GGUFCheckpoint
 from .llama import LlamaForCausalLM
@@ -52,7 +53,9 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device=device, dtype=dtype)  # the rotary tables, computed on the CPU in fp32
     model.requires_grad_(False)
-    model.embedding_rows = checkpoint.rows("model.embed_tokens.weight")  # see release_plain_weights
+    if config.tie_word_embeddings and backend.linear is linear_packed and device.type == "cpu":
+        # the head's packed copy will be the only dense one (release_plain_weights): the embedding reads rows
+        model.embedding_rows = checkpoint.rows("model.embed_tokens.weight")
     return model.eval(), config
 
 
