@@ -278,10 +278,10 @@ def _step_matmuls(model: Any, num_tokens: int) -> Any:
     the model's own matmul (the kernel backend's: on the CPU, oneDNN's with packed weights)."""
     linears = [lin for layer in model.layers for lin in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    embedding = model.embed_tokens.weight  # the linear weights may be released (meta) on the cpu backend
-    dtype, device = embedding.dtype, embedding.device
+    norm = model.norm.weight  # never released: the linear weights and a tied head's table may be (meta) on the cpu
+    dtype, device = norm.dtype, norm.device
     inputs = {lin.in_features: torch.randn(num_tokens, lin.in_features, dtype=dtype, device=device) for lin in linears}
-    hidden = torch.randn(num_tokens, embedding.shape[1], dtype=dtype, device=device)
+    hidden = torch.randn(num_tokens, norm.shape[0], dtype=dtype, device=device)
 
     @torch.inference_mode()
     def run() -> None:

@@ -60,7 +60,7 @@ class ModelRunner:
             raise ValueError(f"the KV budget holds {num_blocks} blocks of {block_size} tokens: too small")
         if sequence_kv is not None and num_cpu_blocks:
             raise ValueError("a per-sequence KV layout has no CPU swap pool: preempt by recompute")
-        param = next(model.parameters())
+        param = model.norm.weight  # never released (release_plain_weights): the model's device and dtype
         self.model, self.config, self.backend = model, config, backend
         self.device, self.dtype = param.device, param.dtype
         self.block_size, self.num_blocks, self.num_cpu_blocks = block_size, num_blocks, num_cpu_blocks
