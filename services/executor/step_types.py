@@ -192,11 +192,11 @@ class HeldInputs:
             raise InvalidRequest(f"table_held: {len(held)} entries for {num_seqs} sequences (or none)")
         if kept and len(kept) != num_seqs:
             raise InvalidRequest(f"table_kept: {len(kept)} entries for {num_seqs} sequences (or none)")
-        filled = list(sent)
         try:
             if held and all(held):  # the steady state: every sequence, every step
                 filled = list(map(tables.__getitem__, seq_ids))
-            elif held:
+            else:
+                filled = list(sent)
                 for i in compress(range(num_seqs), held):
                     filled[i] = tables[seq_ids[i]]
             for i in compress(range(num_seqs), kept):  # a changed table's kept prefix

@@ -127,9 +127,9 @@ class DecoderLayer(nn.Module):
 
 
 class RowsEmbedding(nn.Module):
-    """An embedding whose rows come from the checkpoint's memory map as they are looked up (`Checkpoint.rows`:
-    the loaded values, bit for bit), so that no dense table is held: what a tied LM head leaves behind once its
-    packed copy is the only dense one. `weight` is a meta tensor of the table's shape: nothing reads it."""
+    """An embedding whose rows the checkpoint gives as they are looked up (`Checkpoint.rows`: kept in the file's
+    format, the loaded values bit for bit), so that no dense table is held: what a tied LM head leaves behind once
+    its packed copy is the only dense one. `weight` is a meta tensor of the table's shape: nothing reads it."""
 
     def __init__(self, rows: Callable[[torch.Tensor], torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> None:
         super().__init__()
