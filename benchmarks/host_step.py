@@ -58,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=positive_int, default=200, help="new tokens per request")
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="runs per number of sequences (medians reported)")
+    parser.add_argument("--no-local-decodes", dest="local_decodes", action="store_false",
+                        help="every decode through the block manager, none placed by the scheduler (to compare)")
 
 
 class _Clock:
@@ -134,14 +136,15 @@ def expected_token(position: int) -> int:
     return 1 + position * 7919 % (VOCAB_SIZE - 1)
 
 
-def measure(num_seqs: int, tokens: int) -> dict[str, float]:
+def measure(num_seqs: int, tokens: int, local_decodes: bool = True) -> dict[str, float]:
     """One run: `num_seqs` requests at once, to the end; ms of CPU per step in the steady window, per side."""
     clock = _Clock()
     max_len = PROMPT_LEN + BLOCK_SIZE + tokens
     num_blocks = num_seqs * -(-max_len // BLOCK_SIZE) + 8
     manager = BlockManager(num_blocks, BLOCK_SIZE)
     config = SchedulerConfig(BLOCK_SIZE, 2048, max_num_seqs=num_seqs,
-                             max_num_batched_tokens=max(512, num_seqs * (PROMPT_LEN + BLOCK_SIZE)))
+                             max_num_batched_tokens=max(512, num_seqs * (PROMPT_LEN + BLOCK_SIZE)),
+                             local_decodes=local_decodes)
     executor = WireExecutor(clock)
     limits = EngineLimits(VOCAB_SIZE, 2048, num_blocks, BLOCK_SIZE, frozenset({0}))
     engine = Engine(Scheduler(config, WireBlockManager(manager, clock)), executor, limits,
@@ -176,16 +179,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     counts = [int(n) for n in args.seqs.split(",")]
     result: dict[str, Any] = {
         "what": "host CPU of a steady decode step per side, ms, one process and thread, no gRPC (module docstring)",
-        "tokens": args.tokens, "repeats": args.repeats,
+        "tokens": args.tokens, "repeats": args.repeats, "local_decodes": args.local_decodes,
     }
     frozen, thresholds = gc.get_freeze_count(), gc.get_threshold()
     gc.collect()
     gc.freeze()  # the collector as the services set it (services/common/grpc_server.py)
     gc.set_threshold(*GC_THRESHOLDS)
     try:
-        measure(min(counts), args.tokens)  # discarded: the first run in a process pays for its cold code paths
+        # discarded: the first run in a process pays for its cold code paths
+        measure(min(counts), args.tokens, args.local_decodes)
         for n in counts:
-            runs = [measure(n, args.tokens) for _ in range(args.repeats)]
+            runs = [measure(n, args.tokens, args.local_decodes) for _ in range(args.repeats)]
             for side in ("frontend", "block_manager", "executor_host", "total"):
                 result[f"{side}_ms_per_step_{n}"] = round(statistics.median(r[side] for r in runs), 4)
             result[f"steps_{n}"] = int(min(r["steps"] for r in runs))

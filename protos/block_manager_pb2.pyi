@@ -77,6 +77,7 @@ class Op(_message.Message):
     SWAP_IN_FIELD_NUMBER: _builtins.int
     DECODE_FIELD_NUMBER: _builtins.int
     ADMIT_FIELD_NUMBER: _builtins.int
+    ADVANCE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def create(self) -> Global___Create: ...
     @_builtins.property
@@ -95,6 +96,8 @@ class Op(_message.Message):
     def decode(self) -> Global___Decode: ...
     @_builtins.property
     def admit(self) -> Global___Admit: ...
+    @_builtins.property
+    def advance(self) -> Global___Advance: ...
     def __init__(
         self,
         *,
@@ -107,12 +110,13 @@ class Op(_message.Message):
         swap_in: Global___SwapIn | None = ...,
         decode: Global___Decode | None = ...,
         admit: Global___Admit | None = ...,
+        advance: Global___Advance | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["admit", b"admit", "commit", b"commit", "create", b"create", "decode", b"decode", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["admit", b"admit", "advance", b"advance", "commit", b"commit", "create", b"create", "decode", b"decode", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit", b"admit", "commit", b"commit", "create", b"create", "decode", b"decode", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit", b"admit", "advance", b"advance", "commit", b"commit", "create", b"create", "decode", b"decode", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["create", "fork", "reserve", "commit", "free", "swap_out", "swap_in", "decode", "admit"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["create", "fork", "reserve", "commit", "free", "swap_out", "swap_in", "decode", "admit", "advance"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -332,9 +336,10 @@ Global___SwapIn: _TypeAlias = SwapIn  # noqa: Y015
 
 @_typing.final
 class Decode(_message.Message):
-    """The decode fast path, one entry per running sequence: the previous step's tokens are stored (commit
-    every reserved slot), then append token_ids[i] and reserve one slot. The commit always applies; a
-    sequence that cannot get a block is listed in refused_seq_ids and otherwise unchanged.
+    """The decode fast path, one entry per running sequence that needs a block for its next token or whose tail
+    block is shared (the others' slots the frontend places itself: see Advance): the previous step's tokens
+    are stored (commit every reserved slot), then append token_ids[i] and reserve one slot. The commit always
+    applies; a sequence that cannot get a block is listed in refused_seq_ids and otherwise unchanged.
     Overlapped steps: the new slot may be for a token that a step in flight samples, which a later Decode
     tells (token_ids[i] then fills the oldest such slot). token_ids[i] = -1 appends nothing (the decodes
     right after a prefill whose sampled tokens are not known yet). A sequence holds at most two such slots
@@ -363,6 +368,48 @@ class Decode(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Decode: _TypeAlias = Decode  # noqa: Y015
+
+@_typing.final
+class Advance(_message.Message):
+    """Catches the ledger up with sequences whose decodes the frontend placed itself: while a sequence's tail
+    block is its own and has a free slot, a decode needs no block, so the frontend computes the slot (table[-1]
+    * block_size + position % block_size) and sends no Decode. Advance tells what happened since, per sequence:
+    num_slots[i] more slots of its tail block were used, every slot is computed (as a Commit of all), and the
+    next num_tokens[i] entries of token_ids are its next tokens (at most two slots may remain for tokens not
+    told). Sent before any op that needs a sequence's ledger level (the Decode into its next block, a Reserve,
+    Fork, SwapOut, or the commit before a Free); no earlier op of the step may name its sequences. Never
+    refused. Until then a sequence's filled slots (kv utilization) lag by up to a block; its blocks do not.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_IDS_FIELD_NUMBER: _builtins.int
+    NUM_SLOTS_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def num_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        seq_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_slots: _abc.Iterable[_builtins.int] | None = ...,
+        num_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_slots", b"num_slots", "num_tokens", b"num_tokens", "seq_ids", b"seq_ids", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Advance: _TypeAlias = Advance  # noqa: Y015
 
 @_typing.final
 class StepResponse(_message.Message):

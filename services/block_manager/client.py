@@ -11,6 +11,7 @@ from .manager import BlockCopy, BlockTableDelta
 from .stats import BlockStats
 from .step import (
     AdmitOp,
+    AdvanceOp,
     CommitOp,
     CreateOp,
     DecodeOp,
@@ -36,6 +37,9 @@ def op_to_proto(op: Op) -> pb.Op:
                                             append_token_ids=op.append_token_ids, admission=op.admission))
         case CommitOp():
             return pb.Op(commit=pb.Commit(seq_id=op.seq_id, num_computed_tokens=op.num_computed_tokens))
+        case AdvanceOp():
+            return pb.Op(advance=pb.Advance(seq_ids=op.seq_ids, num_slots=op.num_slots, num_tokens=op.num_tokens,
+                                            token_ids=op.token_ids))
         case AdmitOp():
             return pb.Op(admit=pb.Admit(seq_id=op.seq_id, token_ids=op.token_ids,
                                         cache_namespace=op.cache_namespace, num_tokens=op.max_tokens))

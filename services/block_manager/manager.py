@@ -279,6 +279,27 @@ class BlockManager:
             result.slot_mapping.append(block.block_id * bs + offset)
         return result
 
+    def advance(self, seq_id: int, num_slots: int, append_token_ids: Sequence[int] = ()) -> None:
+        """Catches up with decodes that the frontend placed itself in the sequence's private tail block (a slot
+        there needs no block, so no Decode): the num_slots slots after the reserved ones were used, every slot is
+        computed (commit), and append_token_ids are its next tokens. No block changes hands: never refused."""
+        seq, bs = self._resident(seq_id), self.block_size
+        end, table = seq.num_slots + num_slots, seq.block_table
+        if num_slots < 0 or end > len(table) * bs:
+            raise ValueError(f"advance: sequence {seq_id} has {seq.num_slots} slots in {len(table)} blocks of {bs};"
+                             f" {num_slots} more do not fit in its tail block")
+        if num_slots and table[-1].ref_count > 1:
+            raise ValueError(f"advance: sequence {seq_id}'s tail block is shared; its slots need a Decode")
+        if end - len(seq.token_ids) - len(append_token_ids) > MAX_UNTOLD_SLOTS:
+            raise ValueError(f"advance: sequence {seq_id} would hold more than {MAX_UNTOLD_SLOTS} slots for tokens"
+                             " not told yet")
+        seq.token_ids.extend(append_token_ids)
+        if num_slots:
+            self.pool.fill(table[-1], end - (len(table) - 1) * bs)
+            seq.num_slots = end
+        seq.num_computed = end
+        self._register_full_blocks(seq)
+
     def _grow(self, seq: SequenceState, num_tokens: int) -> Reservation:
         """Reserves slots for the next num_tokens known tokens; the caller has checked the budget."""
         bs, table = self.block_size, seq.block_table

@@ -25,6 +25,7 @@ from .manager import BlockCopy, BlockManager
 from .stats import BlockStats
 from .step import (
     AdmitOp,
+    AdvanceOp,
     CommitOp,
     CreateOp,
     DecodeOp,
@@ -52,6 +53,9 @@ def op_from_proto(index: int, op: pb.Op) -> Op:
         return DecodeOp(list(op.decode.seq_ids), list(op.decode.token_ids))
     if kind == "commit":
         return CommitOp(op.commit.seq_id, op.commit.num_computed_tokens)
+    if kind == "advance":
+        advance = op.advance
+        return AdvanceOp(advance.seq_ids, advance.num_slots, advance.num_tokens, advance.token_ids)
     if kind == "create":
         return CreateOp(op.create.seq_id, op.create.token_ids, op.create.cache_namespace)
     if kind == "admit":

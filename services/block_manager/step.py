@@ -71,7 +71,17 @@ class DecodeOp(NamedTuple):
     token_ids: Sequence[int]
 
 
-Op = CreateOp | AdmitOp | ForkOp | ReserveOp | CommitOp | FreeOp | SwapOutOp | SwapInOp | DecodeOp
+class AdvanceOp(NamedTuple):
+    """Per sequence: the slots the frontend used in its own tail block without a Decode, and the tokens told
+    since (token_ids holds each sequence's num_tokens in turn)."""
+
+    seq_ids: Sequence[int]
+    num_slots: Sequence[int]
+    num_tokens: Sequence[int]
+    token_ids: Sequence[int]
+
+
+Op = CreateOp | AdmitOp | ForkOp | ReserveOp | CommitOp | FreeOp | SwapOutOp | SwapInOp | DecodeOp | AdvanceOp
 
 
 @dataclass
@@ -145,6 +155,35 @@ class _Validator:
             raise InvalidStep(f"{where}: sequence {seq_id} already holds {num_slots - num_known} slots for tokens"
                               f" not told yet; this decode must tell one (NO_TOKEN is {NO_TOKEN})")
 
+    def check_advance(self, op: AdvanceOp, where: str) -> None:
+        """An Advance reads its sequences' tables as they are before the step: no earlier op may name them."""
+        if not len(op.seq_ids) == len(op.num_slots) == len(op.num_tokens) or sum(op.num_tokens) != len(op.token_ids):
+            raise InvalidStep(f"{where}: seq_ids, num_slots and num_tokens must match one to one, and token_ids"
+                              f" hold sum(num_tokens) tokens ({len(op.seq_ids)}, {len(op.num_slots)},"
+                              f" {len(op.num_tokens)}; {len(op.token_ids)} tokens)")
+        if len(set(op.seq_ids)) != len(op.seq_ids):
+            raise InvalidStep(f"{where}.seq_ids: duplicate sequence ids in {list(op.seq_ids)}")
+        _check_token_ids(op.token_ids, f"{where}.token_ids")
+        bs = self.manager.block_size
+        for seq_id, num_slots, num_tokens in zip(op.seq_ids, op.num_slots, op.num_tokens, strict=True):
+            if seq_id in self.shadows or seq_id in self.decoded_once:
+                raise InvalidStep(f"{where}.seq_ids: sequence {seq_id} is named earlier in this step; its Advance"
+                                  " must come first")
+            shadow = self.existing(seq_id, f"{where}.seq_ids")
+            table = self.manager.seqs[seq_id].block_table
+            end = shadow.num_slots + num_slots
+            if num_slots < 0 or end > len(table) * bs:
+                raise InvalidStep(f"{where}.num_slots: sequence {seq_id} has {shadow.num_slots} slots in {len(table)}"
+                                  f" blocks of {bs}; {num_slots} more do not fit in its tail block")
+            if num_slots and table[-1].ref_count > 1:
+                raise InvalidStep(f"{where}.num_slots: sequence {seq_id}'s tail block is shared (a fork); its slots"
+                                  " need a Decode")
+            shadow.num_known += num_tokens
+            if end - shadow.num_known > MAX_UNTOLD_SLOTS:
+                raise InvalidStep(f"{where}.num_tokens: sequence {seq_id} would hold {end - shadow.num_known} slots"
+                                  f" for tokens not told yet (at most {MAX_UNTOLD_SLOTS})")
+            shadow.num_slots = shadow.num_computed = end
+
     def existing(self, seq_id: int, where: str, resident: bool | None = True) -> _Shadow:
         shadow = self.shadow(seq_id)
         if shadow is None:
@@ -205,6 +244,8 @@ class _Validator:
                         f" [{seq.num_computed}, {seq.num_slots}] for sequence {op.seq_id}"
                     )
                 seq.num_computed = op.num_computed_tokens
+            case AdvanceOp():
+                self.check_advance(op, f"{at}.advance")
             case FreeOp():
                 self.existing(op.seq_id, f"{at}.free.seq_id", resident=None)
                 self.shadows[op.seq_id] = None
@@ -314,6 +355,12 @@ def _apply(manager: BlockManager, op: Op, refused: set[int]) -> OpOutcome:
         case CommitOp():
             manager.commit(op.seq_id, op.num_computed_tokens)
             return OpOutcome()
+        case AdvanceOp():
+            told = 0
+            for seq_id, num_slots, num_tokens in zip(op.seq_ids, op.num_slots, op.num_tokens, strict=True):
+                manager.advance(seq_id, num_slots, op.token_ids[told : told + num_tokens])
+                told += num_tokens
+            return OpOutcome()
         case SwapOutOp():
             result = manager.swap_out(op.seq_ids)
             if not result.granted:
@@ -333,7 +380,7 @@ def _subjects(op: Op) -> tuple[int, ...]:
     match op:
         case ForkOp():
             return (op.parent_seq_id, op.child_seq_id)
-        case SwapOutOp() | SwapInOp() | DecodeOp():
+        case SwapOutOp() | SwapInOp() | DecodeOp() | AdvanceOp():
             return tuple(op.seq_ids)
         case _:
             return (op.seq_id,)

@@ -114,6 +114,10 @@ class SequenceState:
     num_known_to_manager: int = 0  # tokens the block manager has been told about
     num_committed: int = 0  # tokens the block manager has been told are computed
     block_table: list[int] = field(default_factory=list)
+    # Decodes placed by the scheduler itself in the sequence's tail block, not yet told to the block manager (an
+    # Advance tells them), and whether that block is its own (not shared since a fork): see Scheduler.plan
+    num_local_slots: int = 0
+    tail_private: bool = False
     num_pending: int = 0  # tokens being sampled by steps already sent (overlapped steps), not known yet
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[Sequence[tuple[int, float]]] = field(default_factory=list)

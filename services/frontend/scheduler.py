@@ -26,6 +26,13 @@ for LAST_SAMPLED and the block manager for a slot whose token it learns in a lat
 counts the tokens of every step already sent; a sequence with a pending token is neither admitted, swapped
 in nor given a Reserve until its tokens are back, and one that will have reached its length limit is not
 scheduled again; one that finished between plan and apply is left out of the step.
+
+A decode into a free slot of the sequence's own tail block (not shared since a fork) needs no block, so the
+scheduler computes its slot itself and sends no op (as vLLM v1 allocates only when a sequence enters a block):
+with 16-token blocks a steady step names one running sequence in 16 to the block manager. It hears of those
+slots, and their tokens, in an Advance sent before any op that needs the sequence's ledger level: the Decode
+into its next block, a Reserve, a Fork, a SwapOut, the commit before its Free (`_catch_up`); one packed Advance
+at the head of the call carries them all.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from ..block_manager.manager import MAX_UNTOLD_SLOTS, NO_TOKEN
 from ..block_manager.stats import BlockStats
 from ..block_manager.step import (
     AdmitOp,
+    AdvanceOp,
     CommitOp,
     DecodeOp,
     ForkOp,
@@ -49,11 +57,12 @@ from ..block_manager.step import (
     Op,
     OpOutcome,
     ReserveOp,
+    StepAnswer,
     SwapInOp,
     SwapOutOp,
 )
 from ..executor.step_types import LAST_SAMPLED, SampledToken, SequenceInput, StepInput, new_row
-from .ports import BlockManagerPort, PendingAnswer
+from .ports import Answered, BlockManagerPort, PendingAnswer
 from .request import FinishReason, Request, SeqStatus, SequenceOutput, SequenceState, StepOutput
 
 _SEQ_ID = operator.attrgetter("seq_id")
@@ -68,12 +77,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     share_kv: bool = True  # prefix hits and forks; False for a per-sequence KV layout (ExecutorInfo.kv_layout)
+    local_decodes: bool = True  # a decode into its own tail block without the block manager (False: to compare)
 
 
 @dataclass
 class PlannedStep:
     routes: list[tuple[Op, list[SequenceState]]]  # each op with the sequences its outcome is about
     answer: PendingAnswer  # the block manager's, to the routes' ops
+    local: list[SequenceState]  # decodes into a free slot of their own tail block: no block-manager op
 
 
 @dataclass
@@ -99,6 +110,7 @@ class Scheduler:
         self.running: list[SequenceState] = []  # in admission order: the newest is preempted first
         self.swapped: deque[SequenceState] = deque()
         self.pending: list[Op] = []  # frees of finished or aborted sequences, sent with the next call
+        self.advances: list[tuple[int, int, list[int]]] = []  # the next call's Advance: (seq_id, slots, tokens)
         self.requests: dict[str, Request] = {}
         self.fork_parents: list[SequenceState] = []  # first samples of requests whose other samples are not forked
         self.stats: BlockStats = block_manager.stats()
@@ -141,7 +153,7 @@ class Scheduler:
         manager and the executor start over (a lost sidecar). Tokens being sampled are void; they were never
         seen, so nothing streamed repeats, and seeded draws depend only on (seed, position)."""
         resumed = [*self.running, *self.swapped]  # running in admission order, then swapped: keep that order
-        self.running, self.swapped, self.pending, self.starved = [], deque(), [], False
+        self.running, self.swapped, self.pending, self.advances, self.starved = [], deque(), [], [], False
         self.released = []  # the executor is reset too
         for seq in reversed(resumed):
             self._requeue_for_recompute(seq)
@@ -149,9 +161,10 @@ class Scheduler:
             seq.num_pending = 0
 
     def flush(self) -> None:
-        """Sends pending frees now (a cancelled request must not hold blocks until the next step)."""
-        if self.pending:
-            ops, self.pending = self.pending, []
+        """Sends pending frees (and Advances) now (a cancelled request must not hold blocks until the next step)."""
+        if self.pending or self.advances:
+            ops = self._take_ops([(op, []) for op in self.pending])
+            self.pending = []
             self.released += [op.seq_id for op in ops if isinstance(op, FreeOp)]
             self.stats = self.block_manager.step(ops).stats
 
@@ -172,7 +185,7 @@ class Scheduler:
         is left out (its blocks are freed with the next call)."""
         answer = planned.answer.result()
         self.stats = answer.stats
-        return self._apply_answer(planned.routes, answer.outcomes)
+        return self._apply_answer(planned.routes, answer.outcomes, planned.local)
 
     def plan(self) -> PlannedStep | None:
         """Plans the step and sends its ops in one BlockManager call, without waiting for the answer."""
@@ -184,16 +197,24 @@ class Scheduler:
         if self.fork_parents:  # not a pass over every running sequence each step while no request waits to fork
             self.fork_parents = [s for s in self.fork_parents if s.request.num_unforked > 0]
             for parent in [s for s in self.running if self._ready_to_fork(s)]:
+                self._catch_up(parent)  # a child's copy-on-write copies the tail slots the ledger has
                 routes += [(ForkOp(parent.seq_id, child.seq_id), [child]) for child in self._fork(parent)]
         decode_seqs: list[SequenceState] = []
         decode_tokens: list[int] = []
+        local: list[SequenceState] = []
         free_estimate = self.stats.num_free_blocks - self._watermark_blocks()
-        block_size = self.config.block_size
+        block_size, local_decodes = self.config.block_size, self.config.local_decodes
         for seq in self.running:  # every running sequence, every step: the one-token case written out
             num_tokens = min(self._remaining(seq), budget)
             if num_tokens == 0:
                 continue
             if num_tokens == 1:
+                if local_decodes and seq.tail_private and seq.num_computed < len(seq.block_table) * block_size:
+                    budget -= 1  # its slot is in its own tail block: nothing for the block manager to do
+                    local.append(seq)
+                    continue
+                if seq.num_local_slots:
+                    self._catch_up(seq)
                 told = self._decode_token(seq)
                 if told is not None:
                     budget -= 1
@@ -227,12 +248,36 @@ class Scheduler:
                 admit = AdmitOp(seq.seq_id, seq.token_ids[:target], self._namespace(seq), chunk)
                 routes.append((admit, [seq]))
                 room, budget, free_estimate = room - 1, budget - chunk, free_estimate - blocks
-        if not routes:
-            return None
+        if not routes and not self.advances:
+            return PlannedStep([], Answered(StepAnswer([], self.stats)), local) if local else None
         self.released += [op.seq_id for op, _ in routes if isinstance(op, FreeOp)]
-        return PlannedStep(routes, self.block_manager.send([op for op, _ in routes]))
+        ops = self._take_ops(routes)
+        return PlannedStep(routes, self.block_manager.send(ops), local)
+
+    def _catch_up(self, seq: SequenceState) -> None:
+        """Queues the sequence's part of the next call's Advance: the slots this scheduler used in its tail block
+        since the block manager last heard of it, and their known tokens. Before any op that needs its ledger
+        level; never refused, so counted as told now."""
+        if not seq.num_local_slots:
+            return
+        told = seq.token_ids[seq.num_known_to_manager : seq.num_computed]
+        self.advances.append((seq.seq_id, seq.num_local_slots, told))
+        seq.num_known_to_manager += len(told)
+        seq.num_committed = seq.num_computed
+        seq.num_local_slots = 0
+
+    def _take_ops(self, routes: list[tuple[Op, list[SequenceState]]]) -> list[Op]:
+        """The call's ops: the queued Advance first (no earlier op may name its sequences), then the routes'."""
+        ops = [op for op, _ in routes]
+        if self.advances:
+            seq_ids, num_slots, told = zip(*self.advances, strict=True)
+            ops.insert(0, AdvanceOp(seq_ids, num_slots, [len(t) for t in told], [t for ts in told for t in ts]))
+            routes.insert(0, (ops[0], []))
+            self.advances = []
+        return ops
 
     def _reserve(self, seq: SequenceState, num_tokens: int) -> list[tuple[Op, list[SequenceState]]]:
+        self._catch_up(seq)
         routes: list[tuple[Op, list[SequenceState]]] = []
         if seq.num_committed < seq.num_computed:
             routes.append((CommitOp(seq.seq_id, seq.num_computed), []))
@@ -243,7 +288,7 @@ class Scheduler:
         return routes
 
     def _apply_answer(
-        self, routes: list[tuple[Op, list[SequenceState]]], outcomes: list[OpOutcome]
+        self, routes: list[tuple[Op, list[SequenceState]]], outcomes: list[OpOutcome], local: list[SequenceState]
     ) -> ScheduledStep | None:
         inputs: list[SequenceInput] = []  # in the order of the routes
         sampled: list[SequenceState] = []  # the sequences that sample a token, in the order of `inputs`
@@ -271,29 +316,16 @@ class Scheduler:
                         kept = [(s, t) for s, t in zip(seqs, told_tokens, strict=True) if s.seq_id not in refused]
                         seqs, told_tokens = [s for s, _ in kept], [t for _, t in kept]
                         self.starved = True
-                    # the step's hot loop: every decoding sequence, every step (SequenceInput written out)
-                    finished, append_input, append_sampled = SeqStatus.FINISHED, inputs.append, sampled.append
-                    for seq, told, slot in zip(seqs, told_tokens, outcome.slot_mapping, strict=True):
+                    for seq, told in zip(seqs, told_tokens, strict=True):
                         if told != NO_TOKEN:
                             seq.num_known_to_manager += 1
-                        if seq.status is finished:
-                            continue  # since the plan: its slot goes with its blocks at the next call
-                        start, token_ids = seq.num_computed, seq.token_ids
-                        num_known = len(token_ids)
-                        seq.num_committed = start
-                        seq.num_computed = start + 1  # from here on, as far as planning goes, it is computed
-                        token = token_ids[start] if start < num_known else LAST_SAMPLED  # else: being sampled
-                        if start + 1 == num_known + seq.num_pending:  # its next token is wanted
-                            seq.num_pending += 1
-                            append_sampled(seq)
-                            append_input(new_row(SequenceInput, (seq.seq_id, [token], start, seq.block_table, [slot],
-                                                                 seq.sampling)))
-                        else:
-                            append_input(new_row(SequenceInput, (seq.seq_id, [token], start, seq.block_table, [slot],
-                                                                 None)))
+                        seq.num_committed = seq.num_computed
+                        seq.tail_private = True  # a new tail block, or its own copy of a shared one
+                    self._add_decodes(seqs, outcome.slot_mapping, inputs, sampled)
                 case ReserveOp() if outcome.granted:
                     (seq,) = seqs
                     seq.num_known_to_manager = seq.num_computed + op.num_tokens
+                    seq.tail_private |= op.num_tokens > 0  # a shared tail written into was copied
                     self._schedule_tokens(seq, list(outcome.slot_mapping), inputs, sampled)
                 case ReserveOp():
                     self.starved |= seqs[0].status is SeqStatus.RUNNING
@@ -304,6 +336,7 @@ class Scheduler:
                     seq.status = SeqStatus.RUNNING
                     seq.num_computed = seq.num_committed = outcome.num_cached_tokens
                     seq.num_known_to_manager = len(op.token_ids)
+                    seq.tail_private = True  # prefix hits are whole blocks: the tail is new
                     self._schedule_tokens(seq, list(outcome.slot_mapping), inputs, sampled)
                     seq.request.metrics.first_scheduled = seq.request.metrics.first_scheduled or now
                     seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, outcome.num_cached_tokens)
@@ -314,16 +347,45 @@ class Scheduler:
                     seq.status = SeqStatus.RUNNING
                 case SwapOutOp() if outcome.granted:
                     seqs[0].block_table = []
+                    seqs[0].tail_private = False
                 case SwapOutOp():  # the CPU pool is full after all: recompute instead
                     (seq,) = seqs
                     self.swapped.remove(seq)
                     self.pending.append(FreeOp(seq.seq_id))
                     self._requeue_for_recompute(seq)
+        if local:
+            block_size, finished = self.config.block_size, SeqStatus.FINISHED
+            for seq in local:
+                if seq.status is not finished:
+                    seq.num_local_slots += 1
+            self._add_decodes(local, [s.block_table[-1] * block_size + s.num_computed % block_size for s in local],
+                              inputs, sampled)
         if not inputs and not (swap_out or swap_in or copies):
             return None  # the releases wait for the next step: an extra one would break LAST_SAMPLED's numbering
         step = StepInput(inputs, swap_out=swap_out, swap_in=swap_in, copies=copies, step_id=next(self._step_ids),
                          released_seq_ids=self._take_released())
         return ScheduledStep(sampled, step)
+
+    @staticmethod
+    def _add_decodes(seqs: list[SequenceState], slots: Sequence[int], inputs: list[SequenceInput],
+                     sampled: list[SequenceState]) -> None:
+        """The step's hot loop: every decoding sequence, every step (SequenceInput written out). A sequence that
+        finished since the plan is left out (its slot goes with its blocks at the next call)."""
+        finished, append_input, append_sampled = SeqStatus.FINISHED, inputs.append, sampled.append
+        for seq, slot in zip(seqs, slots, strict=True):
+            if seq.status is finished:
+                continue
+            start, token_ids = seq.num_computed, seq.token_ids
+            num_known = len(token_ids)
+            seq.num_computed = start + 1  # from here on, as far as planning goes, it is computed
+            token = token_ids[start] if start < num_known else LAST_SAMPLED  # else: being sampled
+            if start + 1 == num_known + seq.num_pending:  # its next token is wanted
+                seq.num_pending += 1
+                append_sampled(seq)
+                append_input(new_row(SequenceInput, (seq.seq_id, [token], start, seq.block_table, [slot],
+                                                     seq.sampling)))
+            else:
+                append_input(new_row(SequenceInput, (seq.seq_id, [token], start, seq.block_table, [slot], None)))
 
     @staticmethod
     def _schedule_tokens(seq: SequenceState, slot_mapping: list[int], inputs: list[SequenceInput],
@@ -433,6 +495,7 @@ class Scheduler:
 
     def _fork(self, parent: SequenceState) -> list[SequenceState]:
         request = parent.request
+        parent.tail_private = False  # the children share its tail block until each one's first Decode copies it
         children = []
         for index in range(1, request.params.n):
             child = SequenceState(
@@ -476,6 +539,7 @@ class Scheduler:
             victim.request.num_preemptions += 1
             swap = self.config.preemption_mode == "swap" and len(victim.block_table) <= self.stats.num_free_cpu_blocks
             if swap:
+                self._catch_up(victim)  # the swap copies the slots the ledger has
                 routes.append((SwapOutOp([victim.seq_id]), [victim]))
                 victim.status = SeqStatus.SWAPPED
                 self.swapped.append(victim)
@@ -490,13 +554,18 @@ class Scheduler:
         """Back to the front of the queue; its prompt and output so far are prefilled again on admission."""
         seq.status = SeqStatus.WAITING
         seq.block_table = []
-        seq.num_computed = seq.num_known_to_manager = seq.num_committed = 0
+        seq.num_computed = seq.num_known_to_manager = seq.num_committed = seq.num_local_slots = 0
+        seq.tail_private = False
         self.waiting.appendleft(seq)
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> SequenceOutput:
-        if seq.status is SeqStatus.RUNNING and seq.num_committed < seq.num_computed:
-            # its computed blocks join the prefix cache before they are freed (a one-token request's prompt
-            # too). Steps still in flight that write them run before any step that could hit them.
+        if seq.status is SeqStatus.RUNNING and seq.num_local_slots:
+            # its computed blocks join the prefix cache before they are freed. A step planned and not applied
+            # yet left this count as it will be after that step's ops (they caught up, or it was a local slot).
+            self._catch_up(seq)
+        elif seq.status is SeqStatus.RUNNING and seq.num_committed < seq.num_computed:
+            # the same (a one-token request's prompt too). Steps still in flight that write them run before any
+            # step that could hit them.
             self.pending.append(CommitOp(seq.seq_id, seq.num_computed))
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPED):
             self.pending.append(FreeOp(seq.seq_id))

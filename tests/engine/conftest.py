@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 from tiny_model import EOS, VOCAB
 
 from pagedserve.services.block_manager.manager import BlockManager
-from pagedserve.services.block_manager.step import Op, StepAnswer
+from pagedserve.services.block_manager.step import AdvanceOp, DecodeOp, Op, StepAnswer
 from pagedserve.services.executor.engine_config import build_runner
 from pagedserve.services.executor.options import ExecutorConfig
 from pagedserve.services.executor.runner import ModelRunner
@@ -21,9 +22,16 @@ EngineFactory = Callable[..., tuple[Engine, BlockManager]]
 
 
 class CheckedBlockManager(LocalBlockManager):
-    """Every invariant of the block manager recomputed after each step's ops, not only at the end."""
+    """Every invariant of the block manager recomputed after each step's ops, not only at the end; the ops
+    counted by kind (a Decode or an Advance by its sequences)."""
+
+    def __init__(self, manager: BlockManager) -> None:
+        super().__init__(manager)
+        self.op_counts: Counter[str] = Counter()
 
     def step(self, ops: Sequence[Op]) -> StepAnswer:
+        for op in ops:
+            self.op_counts[type(op).__name__] += len(op.seq_ids) if isinstance(op, DecodeOp | AdvanceOp) else 1
         answer = super().step(ops)
         self.manager.check_integrity()
         return answer
@@ -55,7 +63,8 @@ def overlap(request: pytest.FixtureRequest) -> bool:
 @pytest.fixture
 def make_engine(tiny_llama_dir: Path, runners: dict[tuple[int, int], object], overlap: bool) -> EngineFactory:
     def make(num_blocks: int = 256, block_size: int = 4, cpu_blocks: int = 0, max_num_seqs: int = 16,
-             max_num_batched_tokens: int = 64, preemption_mode: str = "recompute") -> tuple[Engine, BlockManager]:
+             max_num_batched_tokens: int = 64, preemption_mode: str = "recompute",
+             local_decodes: bool = True) -> tuple[Engine, BlockManager]:
         key = (num_blocks, block_size)
         if key not in runners:  # one model load per cache shape
             runners[key] = build_runner(ExecutorConfig(
@@ -67,7 +76,7 @@ def make_engine(tiny_llama_dir: Path, runners: dict[tuple[int, int], object], ov
         manager = BlockManager(num_blocks, block_size, num_cpu_blocks=cpu_blocks)
         scheduler = Scheduler(
             SchedulerConfig(block_size, info.max_model_len, max_num_seqs, max_num_batched_tokens,
-                            preemption_mode),  # type: ignore[arg-type]
+                            preemption_mode, local_decodes=local_decodes),  # type: ignore[arg-type]
             CheckedBlockManager(manager),
         )
         limits = EngineLimits(VOCAB, info.max_model_len, num_blocks, block_size, frozenset({EOS}))

@@ -25,7 +25,21 @@ def run(engine: Engine, prompts: list[list[int]], params: GenerationParams) -> t
     while engine.has_work:
         engine.step()
         peak_used = max(peak_used, engine.scheduler.stats.num_used_blocks)
+        check_ledgers(engine, engine.scheduler.block_manager.manager)  # type: ignore[attr-defined]
     return requests, peak_used
+
+
+def check_ledgers(engine: Engine, manager: Any) -> None:
+    """Between engine steps: the block manager knows every running sequence's slots but the ones the scheduler
+    placed itself, and those lie in the sequence's own tail block, the block the manager has there."""
+    bs = manager.block_size
+    for seq in engine.scheduler.running:
+        held = manager.seqs[seq.seq_id]
+        assert held.num_slots == seq.num_computed - seq.num_local_slots, (seq.seq_id, held.num_slots, seq)
+        assert [b.block_id for b in held.block_table] == seq.block_table, seq.seq_id
+        if seq.num_local_slots:
+            assert seq.tail_private and held.block_table[-1].ref_count == 1, seq.seq_id
+            assert seq.num_computed <= len(seq.block_table) * bs, seq.seq_id
 
 
 def outputs(requests: list[Request]) -> list[list[list[int]]]:
@@ -51,6 +65,24 @@ def test_greedy_batch_equals_hf_generate(make_engine: EngineFactory, tiny_llama_
         ids = torch.tensor([request.prompt_token_ids])
         expected = hf.generate(ids, max_new_tokens=20, do_sample=False, min_new_tokens=20, pad_token_id=0)
         assert request.seqs[0].output_token_ids == expected[0, ids.shape[1]:].tolist()
+    assert_no_leak(engine, manager)
+
+
+def test_decodes_into_an_own_tail_block_send_no_block_manager_op(make_engine: EngineFactory) -> None:
+    """With 4-token blocks, three decodes in four go into a free slot of the sequence's own tail block: the
+    scheduler places them and tells the block manager later (Advance). The tokens are those of the engine that
+    sends every decode to the block manager, and the finished sequences leave it at least the same prefix cache
+    (a finished sequence's last full block may be told only by the Advance before its Free)."""
+    reference, reference_manager = make_engine(local_decodes=False)
+    expected, _ = run(reference, PROMPTS, GREEDY)
+    engine, manager = make_engine()
+    got, _ = run(engine, PROMPTS, GREEDY)
+    assert outputs(got) == outputs(expected)
+    counts = engine.scheduler.block_manager.op_counts  # type: ignore[attr-defined]
+    reference_counts = reference.scheduler.block_manager.op_counts  # type: ignore[attr-defined]
+    assert "AdvanceOp" not in reference_counts and counts["AdvanceOp"] > 0
+    assert 0 < counts["DecodeOp"] <= reference_counts["DecodeOp"] // 2, (counts, reference_counts)
+    assert manager.stats().num_cached_blocks >= reference_manager.stats().num_cached_blocks
     assert_no_leak(engine, manager)
 
 
@@ -105,6 +137,22 @@ def test_parallel_samples_share_the_prompt_and_match_independent_seeded_requests
         (lone,), peak_lone = run(lone_engine, [PROMPTS[3]], single)
         assert lone.seqs[0].output_token_ids == sample
     assert peak_shared < 4 * peak_lone
+    assert_no_leak(engine, manager)
+
+
+def test_a_fork_after_a_prompt_chunk_the_scheduler_placed_itself(make_engine: EngineFactory) -> None:
+    """A 7-token prompt, 5 tokens a step: the first sample's second chunk is one token into its own tail block,
+    placed without the block manager; the fork right after must tell it first (Advance), or the children's
+    copy of the shared tail lacks that slot (NaN in a fresh cache) and their tokens differ from lone requests."""
+    prompt = PROMPTS[3][:7]
+    params = GenerationParams(max_tokens=6, temperature=1.0, seed=99, n=3, ignore_eos=True)
+    engine, manager = make_engine(max_num_batched_tokens=5)
+    (request,), _ = run(engine, [prompt], params)
+    assert engine.scheduler.block_manager.op_counts["AdvanceOp"] > 0  # type: ignore[attr-defined]
+    for index, sample in enumerate(outputs([request])[0]):
+        lone = GenerationParams(max_tokens=6, temperature=1.0, seed=99 + index, ignore_eos=True)
+        (single,), _ = run(make_engine(max_num_batched_tokens=5)[0], [prompt], lone)
+        assert single.seqs[0].output_token_ids == sample, index
     assert_no_leak(engine, manager)
 
 

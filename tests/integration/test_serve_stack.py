@@ -45,7 +45,8 @@ def test_streaming_text_equals_the_decoded_tokens(pod: Pod, tiny_chat_model_dir:
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
     chunks, texts = pod.generate(PROMPTS[0], max_tokens=24, ignore_eos=True)
     token_ids = [t for c in chunks for t in c.token_ids]
-    assert len(token_ids) == 24 and len(chunks) == 25  # one chunk per token, then the usage
+    # a chunk per step, then the usage; steps the client fell behind on (a loaded host) arrive joined in one chunk
+    assert len(token_ids) == 24 and 2 <= len(chunks) <= 25 and all(c.token_ids for c in chunks[:-1])
     assert texts[0] == tokenizer.decode(token_ids, skip_special_tokens=True)
     assert chunks[-2].finish_reason == pb.LENGTH and all(c.finish_reason == 0 for c in chunks[:-2])
     usage = chunks[-1].usage

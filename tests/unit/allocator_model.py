@@ -70,6 +70,13 @@ class AllocatorModel:
     def swapped_ids(self) -> list[int]:
         return sorted(i for i, seq in self.seqs.items() if seq.cpu_table is not None)
 
+    def local_room(self, seq_id: int) -> int:
+        """Slots a frontend may place itself in the sequence's tail block: its free ones, if no other holds it."""
+        seq = self.seqs[seq_id]
+        if seq.cpu_table is not None or not seq.table or self.ref_count(seq.table[-1]) > 1:
+            return 0
+        return len(seq.table) * self.block_size - seq.num_slots
+
     def key(self, seq: ModelSeq, index: int) -> Key:
         return (seq.namespace, tuple(seq.token_ids[: (index + 1) * self.block_size]))
 
@@ -213,6 +220,22 @@ class AllocatorModel:
             writes.append((slot, seq.kv(position)))
         seq.num_slots = start + num_tokens
         return Effects(allocated, [("cow", c) for c in copies], writes)
+
+    def advance(self, seq_id: int, num_slots: int, append: list[int]) -> Effects:
+        """Slots the frontend placed itself in the sequence's own tail block, told late: they must lie in that
+        block, which no other sequence holds; the executor wrote them when the frontend sent them (the writes
+        returned), and every slot is then committed."""
+        seq, bs = self.seqs[seq_id], self.block_size
+        start = seq.num_slots
+        assert seq.cpu_table is None and start + num_slots <= len(seq.table) * bs, f"advance {seq_id} past its tail"
+        if num_slots:
+            tail = seq.table[-1]
+            assert self.ref_count(tail) == 1 and tail not in self.block_key, f"advance {seq_id}: tail {tail} shared"
+        seq.token_ids.extend(append)
+        writes = [(seq.table[-1] * bs + p % bs, seq.kv(p)) for p in range(start, start + num_slots)]
+        seq.num_slots = start + num_slots
+        self.commit(seq_id, seq.num_slots)
+        return Effects([], [], writes)
 
     def commit(self, seq_id: int, num_computed: int) -> None:
         seq = self.seqs[seq_id]

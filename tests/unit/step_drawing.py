@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from pagedserve.services.block_manager.step import (
     AdmitOp,
+    AdvanceOp,
     CommitOp,
     CreateOp,
     DecodeOp,
@@ -137,11 +138,33 @@ class StepDrawer:
         s.sealed = SEALED_BY["reserve"]
         return ReserveOp(seq_id, num_tokens, append, data.draw(st.booleans(), label="admission"))
 
+    def advance_op(self, data: st.DataObject, shadows: dict[int, Shadow]) -> AdvanceOp | None:
+        """The Advance that opens a step: slots some sequences' frontend placed in their own tail blocks (their
+        tokens all told), for sequences no op of the batch names yet."""
+        candidates = [i for i, s in shadows.items() if not s.sealed and self.model.local_room(i)]
+        if not candidates:
+            return None
+        seq_ids = self.subset(data, candidates, "advanced")
+        num_slots, num_tokens, token_ids = [], [], []
+        for seq_id in seq_ids:
+            s = shadows[seq_id]
+            num_slots.append(data.draw(st.integers(0, self.model.local_room(seq_id)), label="num_slots"))
+            untold = max(0, s.num_slots + num_slots[-1] - s.num_known)
+            told = data.draw(st.lists(VOCAB, min_size=untold, max_size=untold + 1), label="told")
+            num_tokens.append(len(told))
+            token_ids += told
+            s.num_known += len(told)
+            s.num_slots = s.num_computed = s.num_slots + num_slots[-1]
+        event(f"step: an advance of {len(seq_ids)} sequences")
+        return AdvanceOp(seq_ids, num_slots, num_tokens, token_ids)
+
     def scheduler_batch(self, data: st.DataObject, shadows: dict[int, Shadow]) -> list[Op]:
-        """A step shaped as the scheduler plans one: frees and swap-outs, forks, then per running sequence a
-        reserve (after a commit) or a decode, then swap-ins each followed by a reserve of the sequence, then
-        admissions."""
+        """A step shaped as the scheduler plans one: Advances, frees and swap-outs, forks, then per running
+        sequence a reserve (after a commit) or a decode, then swap-ins each followed by a reserve of the
+        sequence, then admissions."""
         ops: list[Op | None] = []
+        if data.draw(st.booleans(), label="advance"):
+            ops.append(self.advance_op(data, shadows))
         phases = ((("free", "swap_out"), 2), (("fork",), 1), (("commit", "reserve", "reserve", "decode"), 4))
         for kinds, most in phases:
             ops += [self.op(data, shadows, kinds) for _ in range(data.draw(st.integers(0, most), label="n"))]
@@ -187,6 +210,7 @@ class StepDrawer:
             CreateOp(self.fresh_id(), [1], b"x" * 65), ForkOp(UNKNOWN_SEQ, self.fresh_id()),
             ReserveOp(UNKNOWN_SEQ, 0), CommitOp(UNKNOWN_SEQ, 0), FreeOp(UNKNOWN_SEQ), SwapOutOp([]),
             SwapInOp([UNKNOWN_SEQ]), DecodeOp([UNKNOWN_SEQ], [1]), DecodeOp([], [1]),
+            AdvanceOp([UNKNOWN_SEQ], [0], [0], []), AdvanceOp([], [], [1], [5]),
             AdmitOp(self.fresh_id(), [1], ns, 0), AdmitOp(self.fresh_id(), [1], b"short", 1),
             AdmitOp(self.fresh_id(), [], ns, 1),
         ]
@@ -200,12 +224,23 @@ class StepDrawer:
                 ReserveOp(seq_id, s.num_known - s.num_slots + 1), ReserveOp(seq_id, -1),
                 ReserveOp(seq_id, 0, [5, -3]), CommitOp(seq_id, s.num_slots + 1), SwapOutOp([seq_id, seq_id]),
                 SwapInOp([seq_id]), DecodeOp([seq_id, seq_id], [1, 1]), DecodeOp([seq_id], [1, 2]),
-                DecodeOp([seq_id], [-2]),
+                DecodeOp([seq_id], [-2]), AdvanceOp([seq_id], [0], [1], [-1]),
+                AdvanceOp([seq_id] * 2, [0] * 2, [0] * 2, []),
             ]
             if s.num_computed > 0:
                 choices.append(CommitOp(seq_id, s.num_computed - 1))
+            held = self.model.seqs.get(seq_id)
+            if held is None or held.cpu_table is not None:  # forked or swapped in by this batch: not its first op
+                choices.append(AdvanceOp([seq_id], [0], [0], []))
+                continue
+            room = len(held.table) * self.model.block_size - held.num_slots
+            # past its tail block (or not its first op)
+            choices.append(AdvanceOp([seq_id], [room + 1], [room + 3], [1] * (room + 3)))
+            if held.num_slots % self.model.block_size and self.model.ref_count(held.table[-1]) > 1:
+                choices.append(AdvanceOp([seq_id], [1], [2], [1, 1]))  # into a shared tail block
         for seq_id in swapped[:2]:
             choices += [ReserveOp(seq_id, 0), CommitOp(seq_id, 0), ForkOp(seq_id, self.fresh_id()),
-                        SwapOutOp([seq_id]), SwapInOp([seq_id, seq_id]), DecodeOp([seq_id], [1])]
+                        SwapOutOp([seq_id]), SwapInOp([seq_id, seq_id]), DecodeOp([seq_id], [1]),
+                        AdvanceOp([seq_id], [0], [0], [])]
         event("invalid_step: malformed op")
         return data.draw(st.sampled_from(choices), label="invalid op"), ""

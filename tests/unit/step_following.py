@@ -12,6 +12,7 @@ from kv_cache_sim import NO_EFFECTS, Effects, KVCacheSim
 from pagedserve.services.block_manager.manager import BlockManager
 from pagedserve.services.block_manager.step import (
     AdmitOp,
+    AdvanceOp,
     CommitOp,
     CreateOp,
     DecodeOp,
@@ -42,7 +43,10 @@ def run_step(manager: BlockManager, model: AllocatorModel, kv: KVCacheSim,
             model.hold_back()
         effects = follow_op(model, op, outcome, refused)
         kv.apply(effects)  # op by op: the bookkeeping itself must be exact
-        step_effects.append(effects)
+        if isinstance(op, AdvanceOp):  # the frontend's own slots, written by the steps it sent them in
+            kv_before.apply(effects)
+        else:
+            step_effects.append(effects)
     model.end_step()
     kv_before.apply_step_as_executor(step_effects)
     return outcomes, kv_before.mismatches(model)
@@ -71,7 +75,7 @@ def follow_op(model: AllocatorModel, op: Op, outcome: OpOutcome, refused: set[in
         refused |= set(outcome.refused_seq_ids)
         return effects
     subjects = {op.parent_seq_id, op.child_seq_id} if isinstance(op, ForkOp) else (
-        set(op.seq_ids) if isinstance(op, SwapOutOp | SwapInOp) else {op.seq_id})
+        set(op.seq_ids) if isinstance(op, SwapOutOp | SwapInOp | AdvanceOp) else {op.seq_id})
     if refused & subjects:
         assert not outcome.granted, f"{op} applied after an earlier op on its sequence was refused"
         refused |= subjects
@@ -95,6 +99,13 @@ def follow_op(model: AllocatorModel, op: Op, outcome: OpOutcome, refused: set[in
         case CommitOp():
             assert outcome.granted
             model.commit(op.seq_id, op.num_computed_tokens)
+        case AdvanceOp():
+            assert outcome.granted
+            told, writes = 0, []
+            for seq_id, num_slots, num_tokens in zip(op.seq_ids, op.num_slots, op.num_tokens, strict=True):
+                writes += model.advance(seq_id, num_slots, list(op.token_ids[told : told + num_tokens])).writes
+                told += num_tokens
+            effects = Effects([], [], writes)
         case SwapOutOp():
             effects = model.swap_out(list(op.seq_ids), outcome.granted, outcome.swap_out, outcome.deltas)
         case SwapInOp():

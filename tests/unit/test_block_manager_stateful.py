@@ -96,6 +96,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
                                         d.refused_seq_ids))
         event(f"decode: {len(d.refused_seq_ids)} refused")
 
+    @precondition(lambda self: any(map(self.model.local_room, self.model.resident_ids())))
+    @checked_rule(data=st.data())
+    def local_decodes(self, data: st.DataObject) -> None:
+        """Decodes the frontend placed itself in a sequence's own tail block, told by one advance."""
+        seq_id = data.draw(st.sampled_from([i for i in self.model.resident_ids() if self.model.local_room(i)]))
+        seq = self.model.seqs[seq_id]
+        num_slots = data.draw(st.integers(0, self.model.local_room(seq_id)), label="num_slots")
+        untold = max(0, seq.num_slots + num_slots - len(seq.token_ids))
+        append = data.draw(st.lists(VOCAB, min_size=untold, max_size=untold + 1), label="append")
+        self.manager.advance(seq_id, num_slots, append)
+        self.kv.apply(self.model.advance(seq_id, num_slots, append))
+        event(f"local_decodes: {num_slots} slots")
+
     @checked_rule(data=st.data())
     def admit(self, data: st.DataObject) -> None:
         tokens = self.drawer.prompt(data)
@@ -275,6 +288,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             ("swap_out duplicates", lambda: self.manager.swap_out(resident[:1] * 2)),
             ("admit no tokens", lambda: self.manager.admit(self.drawer.fresh_id(), [1], self.namespaces[0], 0)),
             ("decode unknown", lambda: self.manager.decode([UNKNOWN_SEQ], [1])),
+            ("advance unknown", lambda: self.manager.advance(UNKNOWN_SEQ, 0)),
         ]
         if resident:
             r_id = resident[0]
@@ -289,7 +303,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 ("decode duplicates", lambda: self.manager.decode([r_id, r_id], [1, 1])),
                 ("decode one unknown", lambda: self.manager.decode([r_id, UNKNOWN_SEQ], [1, 1])),
                 ("swap_in resident", lambda: self.manager.swap_in([r_id])),
+                ("advance past the tail block", lambda: self.manager.advance(
+                    r_id, len(r_seq.table) * self.model.block_size - r_seq.num_slots + 1, [1] * 99)),
+                ("advance leaving three slots untold", lambda: self.manager.advance(
+                    r_id, len(r_seq.table) * self.model.block_size - r_seq.num_slots,
+                    [1] * max(0, len(r_seq.table) * self.model.block_size - len(r_seq.token_ids) - 3))),
             ]
+            shared = [i for i in resident if self.model.seqs[i].num_slots % self.model.block_size
+                      and self.model.ref_count(self.model.seqs[i].table[-1]) > 1]
+            if shared:
+                calls.append(("advance into a shared tail", lambda: self.manager.advance(shared[0], 1, [1, 1])))
         if swapped:
             s_id = swapped[0]
             calls += [
@@ -298,10 +321,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 ("commit swapped", lambda: self.manager.commit(s_id, 0)),
                 ("swap_out swapped", lambda: self.manager.swap_out([s_id])),
                 ("decode swapped", lambda: self.manager.decode([*resident[:1], s_id], [1] * (1 + len(resident[:1])))),
+                ("advance swapped", lambda: self.manager.advance(s_id, 0)),
             ]
         name, call = data.draw(st.sampled_from(calls), label="misuse")
         if name == "swap_out duplicates" and not resident:
             return
+        if name == "advance leaving three slots untold" and (
+                not self.model.local_room(resident[0])
+                or len(r_seq.table) * self.model.block_size - len(r_seq.token_ids) < 3):
+            return  # its own tail block has no room for three slots past its known tokens
         before = self.snapshot()
         try:
             call()
