@@ -212,11 +212,15 @@ class Scheduler:
                 if local_decodes and seq.tail_private and seq.num_computed < len(seq.block_table) * block_size:
                     budget -= 1  # its slot is in its own tail block: nothing for the block manager to do
                     local.append(seq)
+                    if seq.num_committed + seq.num_local_slots + 1 < seq.num_computed:
+                        self._catch_up(seq)  # a prefill chunk's commit: its full blocks join the prefix cache now
                     continue
                 if seq.num_local_slots:
                     self._catch_up(seq)
                 told = self._decode_token(seq)
-                if told is not None:
+                if told is not None:  # the block manager's ledger as of this call (undone for a refusal)
+                    seq.num_committed = seq.num_computed
+                    seq.num_known_to_manager += told != NO_TOKEN
                     budget -= 1
                     # _blocks_needed(seq, 1) of a running sequence
                     free_estimate -= max(0, -(-(seq.num_computed + 1) // block_size) - len(seq.block_table))
@@ -256,11 +260,12 @@ class Scheduler:
 
     def _catch_up(self, seq: SequenceState) -> None:
         """Queues the sequence's part of the next call's Advance: the slots this scheduler used in its tail block
-        since the block manager last heard of it, and their known tokens. Before any op that needs its ledger
-        level; never refused, so counted as told now."""
-        if not seq.num_local_slots:
-            return
+        since the block manager last heard of it, their known tokens, and the commit of every slot. Before any op
+        that needs its ledger level; never refused, so counted as told now (the ledger fields are the block
+        manager's as of the last call sent, whether or not its answer was applied)."""
         told = seq.token_ids[seq.num_known_to_manager : seq.num_computed]
+        if not (seq.num_local_slots or told or seq.num_committed < seq.num_computed):
+            return
         self.advances.append((seq.seq_id, seq.num_local_slots, told))
         seq.num_known_to_manager += len(told)
         seq.num_committed = seq.num_computed
@@ -277,9 +282,10 @@ class Scheduler:
         return ops
 
     def _reserve(self, seq: SequenceState, num_tokens: int) -> list[tuple[Op, list[SequenceState]]]:
-        self._catch_up(seq)
         routes: list[tuple[Op, list[SequenceState]]] = []
-        if seq.num_committed < seq.num_computed:
+        if seq.status is SeqStatus.RUNNING:
+            self._catch_up(seq)  # the commit of what it computed, and any slots it placed itself
+        elif seq.num_committed < seq.num_computed:  # swapped in by this call (after the Advance that heads it)
             routes.append((CommitOp(seq.seq_id, seq.num_computed), []))
             seq.num_committed = seq.num_computed
         append = seq.token_ids[seq.num_known_to_manager : seq.num_computed + num_tokens]
@@ -311,15 +317,13 @@ class Scheduler:
             match op:
                 case DecodeOp():
                     told_tokens: Sequence[int] = op.token_ids
-                    if outcome.refused_seq_ids:  # unchanged in the block manager: told nothing
+                    if outcome.refused_seq_ids:  # committed, but told nothing and given nothing
                         refused = set(outcome.refused_seq_ids)
-                        kept = [(s, t) for s, t in zip(seqs, told_tokens, strict=True) if s.seq_id not in refused]
-                        seqs, told_tokens = [s for s, _ in kept], [t for _, t in kept]
+                        for seq, told in zip(seqs, told_tokens, strict=True):
+                            seq.num_known_to_manager -= seq.seq_id in refused and told != NO_TOKEN
+                        seqs = [s for s in seqs if s.seq_id not in refused]
                         self.starved = True
-                    for seq, told in zip(seqs, told_tokens, strict=True):
-                        if told != NO_TOKEN:
-                            seq.num_known_to_manager += 1
-                        seq.num_committed = seq.num_computed
+                    for seq in seqs:
                         seq.tail_private = True  # a new tail block, or its own copy of a shared one
                     self._add_decodes(seqs, outcome.slot_mapping, inputs, sampled)
                 case ReserveOp() if outcome.granted:
@@ -559,14 +563,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> SequenceOutput:
-        if seq.status is SeqStatus.RUNNING and seq.num_local_slots:
-            # its computed blocks join the prefix cache before they are freed. A step planned and not applied
-            # yet left this count as it will be after that step's ops (they caught up, or it was a local slot).
+        if seq.status is SeqStatus.RUNNING:
+            # its computed blocks join the prefix cache before they are freed (a one-token request's prompt too).
+            # Steps still in flight that write them run before any step that could hit them.
             self._catch_up(seq)
-        elif seq.status is SeqStatus.RUNNING and seq.num_committed < seq.num_computed:
-            # the same (a one-token request's prompt too). Steps still in flight that write them run before any
-            # step that could hit them.
-            self.pending.append(CommitOp(seq.seq_id, seq.num_computed))
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPED):
             self.pending.append(FreeOp(seq.seq_id))
         for queue in (self.running, self.waiting, self.swapped):

@@ -11,10 +11,12 @@ import pytest
 from pagedserve.benchmarks import host_step
 
 
-def test_bench_host_step_splits_a_steady_step_by_side_and_every_token_arrives() -> None:
+@pytest.mark.parametrize("local_decodes", [True, False], ids=["local-decodes", "every-decode-to-the-block-manager"])
+def test_bench_host_step_splits_a_steady_step_by_side_and_every_token_arrives(local_decodes: bool) -> None:
     thresholds = gc.get_threshold()
-    args = argparse.Namespace(seqs="1,32", tokens=40, repeats=2, json=True, out=None)
+    args = argparse.Namespace(seqs="1,32", tokens=40, repeats=2, json=True, out=None, local_decodes=local_decodes)
     result = host_step.run(args)  # raises when a request did not get exactly the stand-in's tokens
+    assert result["local_decodes"] is local_decodes
     for n in (1, 32):
         sides = [result[f"{side}_ms_per_step_{n}"] for side in ("frontend", "block_manager", "executor_host")]
         assert all(ms > 0 for ms in sides)
