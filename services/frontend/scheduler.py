@@ -31,8 +31,8 @@ A decode into a free slot of the sequence's own tail block (not shared since a f
 scheduler computes its slot itself and sends no op (as vLLM v1 allocates only when a sequence enters a block):
 with 16-token blocks a steady step names one running sequence in 16 to the block manager. It hears of those
 slots, and their tokens, in an Advance sent before any op that needs the sequence's ledger level: the Decode
-into its next block, a Reserve, a Fork, a SwapOut, the commit before its Free (`_catch_up`); one packed Advance
-at the head of the call carries them all.
+into its next block, a Reserve, a Fork, a SwapOut, the commit before its Free; one packed Advance at the head of
+the call carries them all (ledger.py).
 """
 
 from __future__ import annotations
@@ -45,11 +45,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..block_manager.manager import MAX_UNTOLD_SLOTS, NO_TOKEN
+from ..block_manager.manager import NO_TOKEN
 from ..block_manager.stats import BlockStats
 from ..block_manager.step import (
     AdmitOp,
-    AdvanceOp,
     CommitOp,
     DecodeOp,
     ForkOp,
@@ -62,6 +61,7 @@ from ..block_manager.step import (
     SwapOutOp,
 )
 from ..executor.step_types import LAST_SAMPLED, SampledToken, SequenceInput, StepInput, new_row
+from .ledger import PendingAdvance, decode_token
 from .ports import Answered, BlockManagerPort, PendingAnswer
 from .request import FinishReason, Request, SeqStatus, SequenceOutput, SequenceState, StepOutput
 
@@ -110,7 +110,7 @@ class Scheduler:
         self.running: list[SequenceState] = []  # in admission order: the newest is preempted first
         self.swapped: deque[SequenceState] = deque()
         self.pending: list[Op] = []  # frees of finished or aborted sequences, sent with the next call
-        self.advances: list[tuple[int, int, list[int]]] = []  # the next call's Advance: (seq_id, slots, tokens)
+        self.advance = PendingAdvance()  # the catch-ups the next call carries (ledger.py)
         self.requests: dict[str, Request] = {}
         self.fork_parents: list[SequenceState] = []  # first samples of requests whose other samples are not forked
         self.stats: BlockStats = block_manager.stats()
@@ -153,7 +153,8 @@ class Scheduler:
         manager and the executor start over (a lost sidecar). Tokens being sampled are void; they were never
         seen, so nothing streamed repeats, and seeded draws depend only on (seed, position)."""
         resumed = [*self.running, *self.swapped]  # running in admission order, then swapped: keep that order
-        self.running, self.swapped, self.pending, self.advances, self.starved = [], deque(), [], [], False
+        self.running, self.swapped, self.pending, self.starved = [], deque(), [], False
+        self.advance.clear()
         self.released = []  # the executor is reset too
         for seq in reversed(resumed):
             self._requeue_for_recompute(seq)
@@ -162,8 +163,8 @@ class Scheduler:
 
     def flush(self) -> None:
         """Sends pending frees (and Advances) now (a cancelled request must not hold blocks until the next step)."""
-        if self.pending or self.advances:
-            ops = self._take_ops([(op, []) for op in self.pending])
+        if self.pending or self.advance:
+            ops = self.advance.take([(op, []) for op in self.pending])
             self.pending = []
             self.released += [op.seq_id for op in ops if isinstance(op, FreeOp)]
             self.stats = self.block_manager.step(ops).stats
@@ -197,7 +198,7 @@ class Scheduler:
         if self.fork_parents:  # not a pass over every running sequence each step while no request waits to fork
             self.fork_parents = [s for s in self.fork_parents if s.request.num_unforked > 0]
             for parent in [s for s in self.running if self._ready_to_fork(s)]:
-                self._catch_up(parent)  # a child's copy-on-write copies the tail slots the ledger has
+                self.advance.add(parent)  # a child's copy-on-write copies the tail slots the ledger has
                 routes += [(ForkOp(parent.seq_id, child.seq_id), [child]) for child in self._fork(parent)]
         decode_seqs: list[SequenceState] = []
         decode_tokens: list[int] = []
@@ -213,11 +214,11 @@ class Scheduler:
                     budget -= 1  # its slot is in its own tail block: nothing for the block manager to do
                     local.append(seq)
                     if seq.num_committed + seq.num_local_slots + 1 < seq.num_computed:
-                        self._catch_up(seq)  # a prefill chunk's commit: its full blocks join the prefix cache now
+                        self.advance.add(seq)  # a prefill chunk's commit: its full blocks join the prefix cache now
                     continue
                 if seq.num_local_slots:
-                    self._catch_up(seq)
-                told = self._decode_token(seq)
+                    self.advance.add(seq)
+                told = decode_token(seq)
                 if told is not None:  # the block manager's ledger as of this call (undone for a refusal)
                     seq.num_committed = seq.num_computed
                     seq.num_known_to_manager += told != NO_TOKEN
@@ -228,7 +229,7 @@ class Scheduler:
                     decode_tokens.append(told)
                     continue
             if seq.num_computed + num_tokens > len(seq.token_ids):
-                continue  # no Decode (see _decode_token) and its input is still being sampled: next step
+                continue  # no Decode (see decode_token) and its input is still being sampled: next step
             budget -= num_tokens
             free_estimate -= self._blocks_needed(seq, num_tokens)
             routes += self._reserve(seq, num_tokens)
@@ -252,39 +253,16 @@ class Scheduler:
                 admit = AdmitOp(seq.seq_id, seq.token_ids[:target], self._namespace(seq), chunk)
                 routes.append((admit, [seq]))
                 room, budget, free_estimate = room - 1, budget - chunk, free_estimate - blocks
-        if not routes and not self.advances:
+        if not routes and not self.advance:
             return PlannedStep([], Answered(StepAnswer([], self.stats)), local) if local else None
         self.released += [op.seq_id for op, _ in routes if isinstance(op, FreeOp)]
-        ops = self._take_ops(routes)
+        ops = self.advance.take(routes)
         return PlannedStep(routes, self.block_manager.send(ops), local)
-
-    def _catch_up(self, seq: SequenceState) -> None:
-        """Queues the sequence's part of the next call's Advance: the slots this scheduler used in its tail block
-        since the block manager last heard of it, their known tokens, and the commit of every slot. Before any op
-        that needs its ledger level; never refused, so counted as told now (the ledger fields are the block
-        manager's as of the last call sent, whether or not its answer was applied)."""
-        told = seq.token_ids[seq.num_known_to_manager : seq.num_computed]
-        if not (seq.num_local_slots or told or seq.num_committed < seq.num_computed):
-            return
-        self.advances.append((seq.seq_id, seq.num_local_slots, told))
-        seq.num_known_to_manager += len(told)
-        seq.num_committed = seq.num_computed
-        seq.num_local_slots = 0
-
-    def _take_ops(self, routes: list[tuple[Op, list[SequenceState]]]) -> list[Op]:
-        """The call's ops: the queued Advance first (no earlier op may name its sequences), then the routes'."""
-        ops = [op for op, _ in routes]
-        if self.advances:
-            seq_ids, num_slots, told = zip(*self.advances, strict=True)
-            ops.insert(0, AdvanceOp(seq_ids, num_slots, [len(t) for t in told], [t for ts in told for t in ts]))
-            routes.insert(0, (ops[0], []))
-            self.advances = []
-        return ops
 
     def _reserve(self, seq: SequenceState, num_tokens: int) -> list[tuple[Op, list[SequenceState]]]:
         routes: list[tuple[Op, list[SequenceState]]] = []
         if seq.status is SeqStatus.RUNNING:
-            self._catch_up(seq)  # the commit of what it computed, and any slots it placed itself
+            self.advance.add(seq)  # the commit of what it computed, and any slots it placed itself
         elif seq.num_committed < seq.num_computed:  # swapped in by this call (after the Advance that heads it)
             routes.append((CommitOp(seq.seq_id, seq.num_computed), []))
             seq.num_committed = seq.num_computed
@@ -512,17 +490,6 @@ class Scheduler:
         request.num_unforked = 0
         return children
 
-    def _decode_token(self, seq: SequenceState) -> int | None:
-        """For a one-token step: what its Decode tells the block manager (the oldest token it has not been told,
-        or NO_TOKEN), or None when it cannot take the Decode fast path. A Decode tells at most one token, and
-        leaves the sequence at most MAX_UNTOLD_SLOTS slots whose tokens are still being sampled (overlapped
-        steps: plans run two steps ahead of the tokens)."""
-        known, computed, token_ids = seq.num_known_to_manager, seq.num_computed, seq.token_ids
-        num_untold = max(0, min(len(token_ids), computed + 1) - known)  # len(token_ids[known : computed + 1])
-        if num_untold > 1 or computed + 1 - known - num_untold > MAX_UNTOLD_SLOTS:
-            return None
-        return token_ids[known] if num_untold else NO_TOKEN
-
     def _watermark_blocks(self) -> int:
         return int(self.stats.watermark * self.stats.num_total_blocks)
 
@@ -543,7 +510,7 @@ class Scheduler:
             victim.request.num_preemptions += 1
             swap = self.config.preemption_mode == "swap" and len(victim.block_table) <= self.stats.num_free_cpu_blocks
             if swap:
-                self._catch_up(victim)  # the swap copies the slots the ledger has
+                self.advance.add(victim)  # the swap copies the slots the ledger has
                 routes.append((SwapOutOp([victim.seq_id]), [victim]))
                 victim.status = SeqStatus.SWAPPED
                 self.swapped.append(victim)
@@ -566,7 +533,7 @@ class Scheduler:
         if seq.status is SeqStatus.RUNNING:
             # its computed blocks join the prefix cache before they are freed (a one-token request's prompt too).
             # Steps still in flight that write them run before any step that could hit them.
-            self._catch_up(seq)
+            self.advance.add(seq)
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPED):
             self.pending.append(FreeOp(seq.seq_id))
         for queue in (self.running, self.waiting, self.swapped):
