@@ -611,7 +611,7 @@ class Stats(_message.Message):
     block_pressure_with_cached: _builtins.float
     """(used + cached) / total"""
     kv_utilization: _builtins.float
-    """slots holding a token / slots in used blocks"""
+    """slots holding a token / slots in used blocks (as told: see Advance)"""
     prefix_cache_queries: _builtins.int
     """prompt tokens looked up"""
     prefix_cache_hits: _builtins.int

@@ -22,7 +22,7 @@ class BlockStats:
     num_swapped_sequences: int
     block_pressure: float  # used / total
     block_pressure_with_cached: float  # (used + cached) / total
-    kv_utilization: float  # token slots holding a token / slots in used blocks
+    kv_utilization: float  # token slots holding a token / slots in used blocks (as told: lags by < a block per seq)
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # prompt tokens served from the cache
     prefix_hit_rate: float

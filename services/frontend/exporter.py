@@ -55,7 +55,8 @@ class ServingCollector(Collector):
         yield blocks
         yield gauge("kv_blocks_capacity", "device KV blocks in the cache", stats.num_total_blocks)
         yield gauge("kv_block_pressure", "used blocks / capacity: the scaling signal", stats.block_pressure)
-        yield gauge("kv_utilization", "filled token slots / slots of used blocks", stats.kv_utilization)
+        yield gauge("kv_utilization", "filled token slots / slots of used blocks (told to the block manager: up to a"
+                    " block per sequence late)", stats.kv_utilization)
         yield gauge("prefix_cache_hit_rate", "prompt tokens served from the prefix cache / looked up",
                     stats.prefix_hit_rate)
         # the block manager's own counters: they start again from 0 if its process does (a counter reset)
