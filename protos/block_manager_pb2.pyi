@@ -160,8 +160,9 @@ class Admit(_message.Message):
     Rules within one Step (violations are INVALID_ARGUMENT, nothing applied): after a Create, Admit, Reserve
     or Decode of a sequence, no later op of the step may name it (the executor writes its new slots only
     after the step's copies and swaps; after a Create its slot count depends on prefix hits); a sequence
-    swapped in cannot be swapped out in the same step. Blocks freed from the first Reserve, Decode, SwapOut
-    or SwapIn of a step on are handed out only in the next step.
+    swapped in cannot be swapped out in the same step; an Advance must be the first op naming each of its
+    sequences. Blocks freed from the first Reserve, Decode, SwapOut or SwapIn of a step on are handed out only
+    in the next step.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -3,7 +3,8 @@
 The whole batch is validated against a shadow of the sequences it touches before anything changes, so a
 malformed batch raises `InvalidStep` (naming the op and field) with no effect. A shortage of blocks is a
 per-op refusal; once an op on a sequence is refused, later ops on that sequence in the same step are
-refused too (they were planned assuming it succeeded), except Free, which always applies.
+refused too (they were planned assuming it succeeded), except Free, which always applies. An Advance reads
+its sequences' tables as they were before the step, so no earlier op of the step may name them.
 """
 
 from __future__ import annotations
