@@ -336,28 +336,27 @@ class Scheduler:
                     self.pending.append(FreeOp(seq.seq_id))
                     self._requeue_for_recompute(seq)
         if local:
-            block_size, finished = self.config.block_size, SeqStatus.FINISHED
-            for seq in local:
-                if seq.status is not finished:
-                    seq.num_local_slots += 1
-            self._add_decodes(local, [s.block_table[-1] * block_size + s.num_computed % block_size for s in local],
-                              inputs, sampled)
+            self._add_decodes(local, None, inputs, sampled)
         if not inputs and not (swap_out or swap_in or copies):
             return None  # the releases wait for the next step: an extra one would break LAST_SAMPLED's numbering
         step = StepInput(inputs, swap_out=swap_out, swap_in=swap_in, copies=copies, step_id=next(self._step_ids),
                          released_seq_ids=self._take_released())
         return ScheduledStep(sampled, step)
 
-    @staticmethod
-    def _add_decodes(seqs: list[SequenceState], slots: Sequence[int], inputs: list[SequenceInput],
+    def _add_decodes(self, seqs: list[SequenceState], slots: Sequence[int] | None, inputs: list[SequenceInput],
                      sampled: list[SequenceState]) -> None:
         """The step's hot loop: every decoding sequence, every step (SequenceInput written out). A sequence that
-        finished since the plan is left out (its slot goes with its blocks at the next call)."""
+        finished since the plan is left out (its slot goes with its blocks at the next call). No `slots`: the
+        decodes the scheduler placed itself, each in a free slot of its own tail block (counted as local)."""
         finished, append_input, append_sampled = SeqStatus.FINISHED, inputs.append, sampled.append
-        for seq, slot in zip(seqs, slots, strict=True):
+        block_size = self.config.block_size
+        for seq, slot in zip(seqs, itertools.repeat(None, len(seqs)) if slots is None else slots, strict=True):
             if seq.status is finished:
                 continue
             start, token_ids = seq.num_computed, seq.token_ids
+            if slot is None:
+                slot = seq.block_table[-1] * block_size + start % block_size
+                seq.num_local_slots += 1
             num_known = len(token_ids)
             seq.num_computed = start + 1  # from here on, as far as planning goes, it is computed
             token = token_ids[start] if start < num_known else LAST_SAMPLED  # else: being sampled
