@@ -6,7 +6,7 @@ at once (benchmarks/standin_executor.py, no hold). Every message is built, seria
 on the wire; only the transport is left out. Each side's share is its thread CPU time:
 
 - frontend: planning, applying the answer, recording the tokens, and its two messages built and their answers read;
-- block manager: its Step message read, applied and answered;
+- block manager: its Step message read, applied and answered (and how many steps call it at all);
 - executor host: its message read and accepted (`ExecutorServicer.accept`), the stand-in's sampling, the answer.
 
 Prompt lengths differ by up to a block, so the sequences cross block boundaries on different steps as in real
@@ -39,7 +39,7 @@ from ..services.executor.options import ExecutorConfig
 from ..services.executor.server import ExecutorServicer, tokens_to_proto
 from ..services.executor.step_types import HeldInputs, SampledToken, StepInput
 from ..services.frontend.engine import Engine, EngineLimits, ModelIdentity
-from ..services.frontend.public_options import positive_int
+from ..services.frontend.public_options import non_negative_int, positive_int
 from ..services.frontend.request import FinishReason, GenerationParams, Request
 from ..services.frontend.scheduler import Scheduler, SchedulerConfig
 from .report import emit
@@ -60,13 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="runs per number of sequences (medians reported)")
     parser.add_argument("--no-local-decodes", dest="local_decodes", action="store_false",
                         help="every decode through the block manager, none placed by the scheduler (to compare)")
+    parser.add_argument("--spare-lookahead", type=non_negative_int, default=SchedulerConfig.spare_lookahead,
+                        help="the scheduler's spare lookahead in slots (0: no spare blocks, to compare)")
 
 
 class _Clock:
-    """The thread CPU time spent on the block manager's side and on the executor's, in seconds."""
+    """The thread CPU time spent on the block manager's side and on the executor's, in seconds; the calls."""
 
     def __init__(self) -> None:
         self.block_manager = self.executor = 0.0
+        self.block_manager_calls = 0
 
 
 class _Answered:
@@ -88,6 +91,7 @@ class WireBlockManager:
         start = time.thread_time()
         response = self.servicer._step(bm_pb.StepRequest.FromString(request)).SerializeToString()
         self.clock.block_manager += time.thread_time() - start
+        self.clock.block_manager_calls += 1
         return _Answered(response)
 
     def step(self, ops: Sequence[Op]) -> StepAnswer:
@@ -136,7 +140,8 @@ def expected_token(position: int) -> int:
     return 1 + position * 7919 % (VOCAB_SIZE - 1)
 
 
-def measure(num_seqs: int, tokens: int, local_decodes: bool = True) -> dict[str, float]:
+def measure(num_seqs: int, tokens: int, local_decodes: bool = True,
+            spare_lookahead: int = SchedulerConfig.spare_lookahead) -> dict[str, float]:
     """One run: `num_seqs` requests at once, to the end; ms of CPU per step in the steady window, per side."""
     clock = _Clock()
     max_len = PROMPT_LEN + BLOCK_SIZE + tokens
@@ -144,7 +149,7 @@ def measure(num_seqs: int, tokens: int, local_decodes: bool = True) -> dict[str,
     manager = BlockManager(num_blocks, BLOCK_SIZE)
     config = SchedulerConfig(BLOCK_SIZE, 2048, max_num_seqs=num_seqs,
                              max_num_batched_tokens=max(512, num_seqs * (PROMPT_LEN + BLOCK_SIZE)),
-                             local_decodes=local_decodes)
+                             local_decodes=local_decodes, spare_lookahead=spare_lookahead)
     executor = WireExecutor(clock)
     limits = EngineLimits(VOCAB_SIZE, 2048, num_blocks, BLOCK_SIZE, frozenset({0}))
     engine = Engine(Scheduler(config, WireBlockManager(manager, clock)), executor, limits,
@@ -154,13 +159,14 @@ def measure(num_seqs: int, tokens: int, local_decodes: bool = True) -> dict[str,
     for i in range(num_seqs):
         prompt = [1 + (i * 31 + j) % 1000 for j in range(PROMPT_LEN + i % BLOCK_SIZE)]
         requests.append(engine.enqueue(f"r{i}", prompt, params, final_only=True))
-    steady: list[tuple[float, float, float]] = []  # the engine's steps that sent a step decoding every sequence
+    steady: list[tuple[float, float, float, int]] = []  # the engine's steps that sent a step decoding every sequence
     while engine.has_work:
         start, bm0, ex0, sent = time.thread_time(), clock.block_manager, clock.executor, len(executor.decodes)
+        calls = clock.block_manager_calls
         engine.step()
         bm, ex = clock.block_manager - bm0, clock.executor - ex0
         if executor.decodes[sent:] == [num_seqs]:
-            steady.append((time.thread_time() - start - bm - ex, bm, ex))
+            steady.append((time.thread_time() - start - bm - ex, bm, ex, clock.block_manager_calls - calls))
     for request in requests:  # every token arrived once, in order: what the stand-in sampled
         (seq,) = request.seqs
         prompt_len = len(request.prompt_token_ids)
@@ -172,7 +178,7 @@ def measure(num_seqs: int, tokens: int, local_decodes: bool = True) -> dict[str,
         raise RuntimeError(f"no step decoded all {num_seqs} sequences: raise --tokens")
     fe, bm, ex = (statistics.fmean(step[side] for step in window) * 1e3 for side in range(3))
     return {"frontend": fe, "block_manager": bm, "executor_host": ex, "total": fe + bm + ex,
-            "steps": float(len(window))}
+            "steps": float(len(window)), "calls": statistics.fmean(step[3] for step in window)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -180,6 +186,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "what": "host CPU of a steady decode step per side, ms, one process and thread, no gRPC (module docstring)",
         "tokens": args.tokens, "repeats": args.repeats, "local_decodes": args.local_decodes,
+        "spare_lookahead": args.spare_lookahead,
     }
     frozen, thresholds = gc.get_freeze_count(), gc.get_threshold()
     gc.collect()
@@ -187,12 +194,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gc.set_threshold(*GC_THRESHOLDS)
     try:
         # discarded: the first run in a process pays for its cold code paths
-        measure(min(counts), args.tokens, args.local_decodes)
+        measure(min(counts), args.tokens, args.local_decodes, args.spare_lookahead)
         for n in counts:
-            runs = [measure(n, args.tokens, args.local_decodes) for _ in range(args.repeats)]
+            runs = [measure(n, args.tokens, args.local_decodes, args.spare_lookahead) for _ in range(args.repeats)]
             for side in ("frontend", "block_manager", "executor_host", "total"):
                 result[f"{side}_ms_per_step_{n}"] = round(statistics.median(r[side] for r in runs), 4)
             result[f"steps_{n}"] = int(min(r["steps"] for r in runs))
+            result[f"block_manager_calls_per_step_{n}"] = round(statistics.median(r["calls"] for r in runs), 3)
     finally:
         gc.set_threshold(*thresholds)
         if not frozen:

@@ -38,7 +38,8 @@ import numpy
 from ..protos import inference_pb2 as pb
 from ..protos import inference_pb2_grpc as pb_grpc
 from ..services.common.processes import ServiceProcess, start_service, stop_service, wait_serving
-from ..services.frontend.public_options import positive_int
+from ..services.frontend.public_options import non_negative_int, positive_int
+from ..services.frontend.scheduler import SchedulerConfig
 from .report import emit
 
 PROMPT = "Count the waves: one, two, three,"
@@ -57,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         " asyncio client) instead of unary ones; the keys end in _stream")
     parser.add_argument("--stream-interval", type=positive_int, default=1,
                         help="the frontend's --stream-interval (steps per chunk after the first)")
+    parser.add_argument("--spare-lookahead", type=non_negative_int, default=SchedulerConfig.spare_lookahead,
+                        help="the frontend's --spare-lookahead (0: no spare blocks, to compare)")
     parser.add_argument("--device", default="", help="run the real executor on this device (cuda) instead of the"
                         " stand-in; --step-ms is then ignored and the keys end in _real")
 
@@ -74,7 +77,8 @@ def _start_stand_in(listen: str, args: list[str]) -> subprocess.Popen[str]:
 
 
 def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: bool, device: str = "",
-            stream: bool = False, stream_interval: int = 1) -> dict[str, Any]:
+            stream: bool = False, stream_interval: int = 1,
+            spare_lookahead: int = SchedulerConfig.spare_lookahead) -> dict[str, Any]:
     """One run: the three processes, num_seqs requests at once, the stand-in's timeline read back."""
     num_blocks = num_seqs * (-(-(tokens + 32) // 16)) + 64
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,7 +96,8 @@ def measure(model: str, num_seqs: int, step_ms: float, tokens: int, overlap: boo
                              "--model", model, "--max-num-seqs", str(num_seqs),
                              "--max-num-batched-tokens", str(max(2048, num_seqs * 32)),
                              "--max-waiting-requests", str(num_seqs + 1), "--max-streams-per-tenant", str(num_seqs)]
-            frontend_args += ["--stream-interval", str(stream_interval), *([] if overlap else ["--no-overlap"])]
+            frontend_args += ["--stream-interval", str(stream_interval), "--spare-lookahead", str(spare_lookahead),
+                              *([] if overlap else ["--no-overlap"])]
             services.append(start_service(frontend_args))
             params = pb.GenerationParameters(max_tokens=tokens, ignore_eos=True)
             request = pb.GenerateRequest(text=PROMPT, params=params)
@@ -182,6 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     " accelerator; the frontend and block manager are the real processes over gRPC",
         "tokens_per_request": args.tokens,
         "stream_interval": args.stream_interval,
+        "spare_lookahead": args.spare_lookahead,
         "cores": len(os.sched_getaffinity(0)),
     }
     texts = set()
@@ -190,7 +196,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for step_ms in step_times:
             for mode in args.modes.split(","):
                 run_ = measure(args.model, num_seqs, step_ms, args.tokens, mode == "overlap", args.device, args.stream,
-                               args.stream_interval)
+                               args.stream_interval, args.spare_lookahead)
                 name = (f"{num_seqs}_real" if args.device else f"{num_seqs}_{step_ms:g}ms") + ("_stream" if args.stream
                                                                                               else "")
                 prefix = "" if mode == "overlap" else "serial_"

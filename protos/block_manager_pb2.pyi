@@ -78,6 +78,7 @@ class Op(_message.Message):
     DECODE_FIELD_NUMBER: _builtins.int
     ADMIT_FIELD_NUMBER: _builtins.int
     ADVANCE_FIELD_NUMBER: _builtins.int
+    SPARE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def create(self) -> Global___Create: ...
     @_builtins.property
@@ -98,6 +99,8 @@ class Op(_message.Message):
     def admit(self) -> Global___Admit: ...
     @_builtins.property
     def advance(self) -> Global___Advance: ...
+    @_builtins.property
+    def spare(self) -> Global___Spare: ...
     def __init__(
         self,
         *,
@@ -111,12 +114,13 @@ class Op(_message.Message):
         decode: Global___Decode | None = ...,
         admit: Global___Admit | None = ...,
         advance: Global___Advance | None = ...,
+        spare: Global___Spare | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["admit", b"admit", "advance", b"advance", "commit", b"commit", "create", b"create", "decode", b"decode", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["admit", b"admit", "advance", b"advance", "commit", b"commit", "create", b"create", "decode", b"decode", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "spare", b"spare", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit", b"admit", "advance", b"advance", "commit", b"commit", "create", b"create", "decode", b"decode", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit", b"admit", "advance", b"advance", "commit", b"commit", "create", b"create", "decode", b"decode", "fork", b"fork", "free", b"free", "kind", b"kind", "reserve", b"reserve", "spare", b"spare", "swap_in", b"swap_in", "swap_out", b"swap_out"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["create", "fork", "reserve", "commit", "free", "swap_out", "swap_in", "decode", "admit", "advance"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["create", "fork", "reserve", "commit", "free", "swap_out", "swap_in", "decode", "admit", "advance", "spare"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -373,9 +377,10 @@ Global___Decode: _TypeAlias = Decode  # noqa: Y015
 @_typing.final
 class Advance(_message.Message):
     """Catches the ledger up with sequences whose decodes the frontend placed itself: while a sequence's tail
-    block is its own and has a free slot, a decode needs no block, so the frontend computes the slot (table[-1]
-    * block_size + position % block_size) and sends no Decode. Advance tells what happened since, per sequence:
-    num_slots[i] more slots of its tail block were used, every slot is computed (as a Commit of all), and the
+    block is its own and has a free slot (or it holds a spare: see Spare), a decode needs no block, so the
+    frontend computes the slot (table[position / block_size] * block_size + position % block_size) and sends no
+    Decode. Advance tells what happened since, per sequence: num_slots[i] more slots of its tail block (and
+    spare) were used, every slot is computed (as a Commit of all), and the
     next num_tokens[i] entries of token_ids are its next tokens (at most two slots may remain for tokens not
     told). Sent before any op that needs a sequence's ledger level (the Decode into its next block, a Reserve,
     Fork, SwapOut, or the commit before a Free); no earlier op of the step may name its sequences. Never
@@ -411,6 +416,35 @@ class Advance(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Advance: _TypeAlias = Advance  # noqa: Y015
+
+@_typing.final
+class Spare(_message.Message):
+    """One empty block past each listed sequence's tail (its spare), while blocks above the watermark last; a
+    sequence that gets none is in refused_seq_ids, unchanged. A decode that enters its spare needs no op: the
+    frontend places the slots of its tail block and spare itself and tells them in an Advance, so a batch of
+    spares taken in one call lets the next steps make no call. A sequence holds one spare at most; it must not
+    be given one while its partial tail block is shared (a fork: its next slot needs a Decode's copy), a
+    sequence holding one cannot be forked, and a SwapOut gives it back. No op but an Advance may name these
+    sequences earlier in the step, and none later.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        seq_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seq_ids", b"seq_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Spare: _TypeAlias = Spare  # noqa: Y015
 
 @_typing.final
 class StepResponse(_message.Message):
@@ -534,7 +568,7 @@ class OpResult(_message.Message):
 
     @_builtins.property
     def refused_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Decode: sequences that got no slot (slot_mapping skips them)"""
+        """Decode: sequences that got no slot (slot_mapping skips them); Spare: no spare"""
 
     def __init__(
         self,

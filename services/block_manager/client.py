@@ -20,6 +20,7 @@ from .step import (
     Op,
     OpOutcome,
     ReserveOp,
+    SpareOp,
     StepAnswer,
     SwapInOp,
     SwapOutOp,
@@ -40,6 +41,8 @@ def op_to_proto(op: Op) -> pb.Op:
         case AdvanceOp():
             return pb.Op(advance=pb.Advance(seq_ids=op.seq_ids, num_slots=op.num_slots, num_tokens=op.num_tokens,
                                             token_ids=op.token_ids))
+        case SpareOp():
+            return pb.Op(spare=pb.Spare(seq_ids=op.seq_ids))
         case AdmitOp():
             return pb.Op(admit=pb.Admit(seq_id=op.seq_id, token_ids=op.token_ids,
                                         cache_namespace=op.cache_namespace, num_tokens=op.max_tokens))

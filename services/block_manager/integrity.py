@@ -34,9 +34,15 @@ def check_integrity(manager: BlockManager) -> None:
             assert len(seq.cpu_table) == expected_blocks, f"seq {seq_id}: cpu table length is wrong"
             cpu_refs.update(seq.cpu_table)
             continue
-        assert len(seq.block_table) == expected_blocks, (
-            f"seq {seq_id}: {len(seq.block_table)} blocks for {seq.num_slots} slots (reserve bookkeeping)"
+        assert expected_blocks <= len(seq.block_table) <= expected_blocks + 1, (
+            f"seq {seq_id}: {len(seq.block_table)} blocks for {seq.num_slots} slots (reserve or spare bookkeeping)"
         )
+        if len(seq.block_table) > expected_blocks:
+            spare = seq.block_table[-1]
+            assert spare.ref_count == 1 and spare.num_filled == 0 and spare.block_hash is None, (
+                f"seq {seq_id}: its spare {spare} is shared, filled or cached (spare, fork or swap bookkeeping)")
+            assert not seq.num_slots % bs or seq.block_table[-2].ref_count == 1, (
+                f"seq {seq_id} holds a spare behind a shared partial tail (spare after a fork?)")
         ids = [block.block_id for block in seq.block_table]
         assert len(set(ids)) == len(ids), f"seq {seq_id} holds a block twice: {ids}"
         refs.update(ids)

@@ -81,7 +81,8 @@ class SequenceState:
     namespace: bytes
     token_ids: list[int]  # known tokens; with overlap, the last slot's token may be unknown yet (see decode)
     block_table: list[KVBlock] = field(default_factory=list)
-    num_slots: int = 0  # tokens with a reserved slot (KV stored or about to be): <= len(token_ids) + 1
+    num_slots: int = 0  # tokens with a reserved slot (KV stored or about to be): <= len(token_ids) + 2
+    # block_table covers the slots, plus at most one empty block past them: a spare (see BlockManager.spare)
     num_computed: int = 0  # tokens whose KV the executor has stored
     block_hashes: list[bytes] = field(default_factory=list)  # keys of the full computed blocks
     cpu_table: list[int] | None = None  # cpu block ids while swapped out
@@ -123,13 +124,17 @@ class BlockManager:
         return [block.block_id for block in self.get(seq_id).block_table]
 
     def num_blocks_to_reserve(self, seq: SequenceState, num_tokens: int) -> int:
-        """Free blocks a reservation of num_tokens would take: new tail blocks plus a copy-on-write."""
+        """Free blocks a reservation of num_tokens would take: new tail blocks (past a spare) plus a copy-on-write."""
         bs = self.block_size
-        num_new = -(-(seq.num_slots + num_tokens) // bs) - len(seq.block_table)
+        num_new = max(0, -(-(seq.num_slots + num_tokens) // bs) - len(seq.block_table))
         writes_shared_tail = (
-            num_tokens > 0 and seq.num_slots % bs != 0 and seq.block_table[-1].ref_count > 1
+            num_tokens > 0 and seq.num_slots % bs != 0 and seq.block_table[seq.num_slots // bs].ref_count > 1
         )
         return num_new + int(writes_shared_tail)
+
+    def has_spare(self, seq: SequenceState) -> bool:
+        """Whether the table holds a block past the sequence's slots (see `spare`)."""
+        return len(seq.block_table) * self.block_size - seq.num_slots >= self.block_size
 
     def can_reserve(self, seq_id: int, num_tokens: int, admission: bool = False) -> bool:
         seq = self.get(seq_id)
@@ -201,6 +206,8 @@ class BlockManager:
         parent = self._resident(parent_id)
         if child_id in self.seqs:
             raise ValueError(f"fork: child sequence {child_id} already exists")
+        if self.has_spare(parent):
+            raise ValueError(f"fork: parent sequence {parent_id} holds a spare block (a spare is never shared)")
         for block in parent.block_table:
             self.pool.acquire(block)
         self.seqs[child_id] = SequenceState(
@@ -253,8 +260,10 @@ class BlockManager:
                 seq.num_computed = num_slots
                 if min(num_slots, len(seq.token_ids)) // bs > len(seq.block_hashes):
                     self._register_full_blocks(seq)
-            offset = num_slots % bs
-            if offset == 0 or table[-1].ref_count > 1:  # a new tail block, or a copy of a shared one
+            offset, index = num_slots % bs, num_slots // bs
+            if index < len(table) and (offset == 0 or table[index].ref_count == 1):
+                block = table[index]  # its own tail, or its spare
+            else:  # a new tail block, or a copy of a shared one (a sequence with a shared tail holds no spare)
                 if pool.num_free_blocks == 0:
                     result.refused_seq_ids.append(seq_id)
                     continue
@@ -267,8 +276,6 @@ class BlockManager:
                     self.num_cow_copies += 1
                 table.append(block)
                 result.deltas.append(BlockTableDelta(seq_id, len(table) - 1, (block.block_id,)))
-            else:
-                block = table[-1]
             if token != NO_TOKEN:
                 seq.token_ids.append(token)
                 if len(seq.block_hashes) < min(num_slots, len(seq.token_ids)) // bs:
@@ -280,32 +287,59 @@ class BlockManager:
         return result
 
     def advance(self, seq_id: int, num_slots: int, append_token_ids: Sequence[int] = ()) -> None:
-        """Catches up with decodes that the frontend placed itself in the sequence's private tail block (a slot
-        there needs no block, so no Decode): the num_slots slots after the reserved ones were used, every slot is
-        computed (commit), and append_token_ids are its next tokens. No block changes hands: never refused."""
+        """Catches up with decodes that the frontend placed itself in the sequence's private tail block or its
+        spare (a slot there needs no new block, so no Decode): the num_slots slots after the reserved ones were
+        used, every slot is computed (commit), and append_token_ids are its next tokens. No block changes hands:
+        never refused."""
         seq, bs = self._resident(seq_id), self.block_size
         end, table = seq.num_slots + num_slots, seq.block_table
         if num_slots < 0 or end > len(table) * bs:
             raise ValueError(f"advance: sequence {seq_id} has {seq.num_slots} slots in {len(table)} blocks of {bs};"
-                             f" {num_slots} more do not fit in its tail block")
-        if num_slots and table[-1].ref_count > 1:
+                             f" {num_slots} more do not fit in its tail block and spare")
+        if num_slots and table[seq.num_slots // bs].ref_count > 1:
             raise ValueError(f"advance: sequence {seq_id}'s tail block is shared; its slots need a Decode")
         if end - len(seq.token_ids) - len(append_token_ids) > MAX_UNTOLD_SLOTS:
             raise ValueError(f"advance: sequence {seq_id} would hold more than {MAX_UNTOLD_SLOTS} slots for tokens"
                              " not told yet")
         seq.token_ids.extend(append_token_ids)
         if num_slots:
-            self.pool.fill(table[-1], end - (len(table) - 1) * bs)
+            for i in range(seq.num_slots // bs, -(-end // bs)):
+                self.pool.fill(table[i], min(bs, end - i * bs))
             seq.num_slots = end
         seq.num_computed = end
         self._register_full_blocks(seq)
+
+    def can_spare(self) -> bool:
+        return self._budget(admission=True) > 0
+
+    def spare(self, seq_ids: Sequence[int]) -> list[BlockTableDelta | None]:
+        """Gives each sequence one empty block past its tail while blocks above the watermark last (None: refused).
+        A decode that enters it needs no block-manager op: the frontend places the slots of the tail and the spare
+        itself and tells them in an Advance, so most steps need no call at all. A spare is never shared (a fork or
+        a shared tail rules it out), never copied (a swap-out gives it back), and freed with its sequence."""
+        bs = self.block_size
+        for seq_id in seq_ids:
+            seq = self._resident(seq_id)
+            if self.has_spare(seq):
+                raise ValueError(f"spare: sequence {seq_id} holds a spare already")
+            if seq.num_slots % bs and seq.block_table[-1].ref_count > 1:
+                raise ValueError(f"spare: sequence {seq_id}'s tail block is shared; its next slot needs a Decode")
+        deltas: list[BlockTableDelta | None] = []
+        for seq_id in seq_ids:
+            if not self.can_spare():
+                deltas.append(None)
+                continue
+            table = self.seqs[seq_id].block_table
+            table.append(self.pool.allocate())
+            deltas.append(BlockTableDelta(seq_id, len(table) - 1, (table[-1].block_id,)))
+        return deltas
 
     def _grow(self, seq: SequenceState, num_tokens: int) -> Reservation:
         """Reserves slots for the next num_tokens known tokens; the caller has checked the budget."""
         bs, table = self.block_size, seq.block_table
         keep = len(table)
         copies: list[BlockCopy] = []
-        if num_tokens > 0 and seq.num_slots % bs != 0 and table[-1].ref_count > 1:
+        if num_tokens > 0 and seq.num_slots % bs != 0 and table[-1].ref_count > 1:  # shared: so it holds no spare
             shared = table[-1]
             private = self.pool.allocate()
             copies.append(BlockCopy(shared.block_id, private.block_id, seq.num_slots % bs))
@@ -353,11 +387,14 @@ class BlockManager:
         seqs = self._distinct(seq_ids, swapped=False)
         src_slots: dict[int, int] = {}  # device block id -> valid slots
         for seq in seqs:
-            for i, block in enumerate(seq.block_table):
+            for i, block in enumerate(seq.block_table[: -(-seq.num_slots // self.block_size)]):  # not its spare
                 filled = min(self.block_size, seq.num_slots - i * self.block_size)
                 src_slots[block.block_id] = max(src_slots.get(block.block_id, 0), filled)
         if len(src_slots) > self.cpu_pool.num_free_blocks:
             return REFUSED_SWAP
+        for seq in seqs:
+            if self.has_spare(seq):  # empty: given back, not copied
+                self.pool.release(seq.block_table.pop())
         dst = {block_id: self.cpu_pool.allocate() for block_id in src_slots}
         self.num_swapped_sequences += len(seqs)
         for seq in seqs:

@@ -35,6 +35,7 @@ from .step import (
     Op,
     OpOutcome,
     ReserveOp,
+    SpareOp,
     SwapInOp,
     SwapOutOp,
     apply_step,
@@ -56,6 +57,8 @@ def op_from_proto(index: int, op: pb.Op) -> Op:
     if kind == "advance":
         advance = op.advance
         return AdvanceOp(advance.seq_ids, advance.num_slots, advance.num_tokens, advance.token_ids)
+    if kind == "spare":
+        return SpareOp(op.spare.seq_ids)
     if kind == "create":
         return CreateOp(op.create.seq_id, op.create.token_ids, op.create.cache_namespace)
     if kind == "admit":

@@ -82,7 +82,14 @@ class AdvanceOp(NamedTuple):
     token_ids: Sequence[int]
 
 
-Op = CreateOp | AdmitOp | ForkOp | ReserveOp | CommitOp | FreeOp | SwapOutOp | SwapInOp | DecodeOp | AdvanceOp
+class SpareOp(NamedTuple):
+    """One empty block past each sequence's tail, while blocks above the watermark last: per sequence, refused
+    (refused_seq_ids) or granted (a delta). No op but an Advance may name its sequences before it in a step."""
+
+    seq_ids: Sequence[int]
+
+
+Op = CreateOp | AdmitOp | ForkOp | ReserveOp | CommitOp | FreeOp | SwapOutOp | SwapInOp | DecodeOp | AdvanceOp | SpareOp
 
 
 @dataclass
@@ -125,6 +132,7 @@ class _Validator:
         # Sequences whose only op so far is one decode: tracked without a shadow, since a step decodes
         # every running sequence and most are touched by nothing else.
         self.decoded_once: set[int] = set()
+        self.advanced: set[int] = set()  # named by the step's Advance (a Spare may follow it)
 
     def shadow(self, seq_id: int) -> _Shadow | None:
         if seq_id not in self.shadows:
@@ -184,6 +192,26 @@ class _Validator:
                 raise InvalidStep(f"{where}.num_tokens: sequence {seq_id} would hold {end - shadow.num_known} slots"
                                   f" for tokens not told yet (at most {MAX_UNTOLD_SLOTS})")
             shadow.num_slots = shadow.num_computed = end
+            self.advanced.add(seq_id)
+
+    def check_spare(self, op: SpareOp, where: str) -> None:
+        """A spare goes past the table as it was before the step: no earlier op but an Advance may name them."""
+        if len(set(op.seq_ids)) != len(op.seq_ids):
+            raise InvalidStep(f"{where}.seq_ids: duplicate sequence ids in {list(op.seq_ids)}")
+        bs = self.manager.block_size
+        for seq_id in op.seq_ids:
+            if (seq_id in self.shadows and seq_id not in self.advanced) or seq_id in self.decoded_once:
+                raise InvalidStep(f"{where}.seq_ids: sequence {seq_id} is named earlier in this step by an op other"
+                                  " than an Advance")
+            shadow = self.existing(seq_id, f"{where}.seq_ids")
+            table = self.manager.seqs[seq_id].block_table
+            if len(table) * bs - shadow.num_slots >= bs:
+                raise InvalidStep(f"{where}.seq_ids: sequence {seq_id} holds a spare already ({len(table)} blocks"
+                                  f" of {bs} for {shadow.num_slots} slots)")
+            if shadow.num_slots % bs and table[-1].ref_count > 1:
+                raise InvalidStep(f"{where}.seq_ids: sequence {seq_id}'s tail block is shared (a fork); its next"
+                                  " slot needs a Decode")
+            shadow.sealed = "was given a spare"
 
     def existing(self, seq_id: int, where: str, resident: bool | None = True) -> _Shadow:
         shadow = self.shadow(seq_id)
@@ -247,6 +275,8 @@ class _Validator:
                 seq.num_computed = op.num_computed_tokens
             case AdvanceOp():
                 self.check_advance(op, f"{at}.advance")
+            case SpareOp():
+                self.check_spare(op, f"{at}.spare")
             case FreeOp():
                 self.existing(op.seq_id, f"{at}.free.seq_id", resident=None)
                 self.shadows[op.seq_id] = None
@@ -356,6 +386,10 @@ def _apply(manager: BlockManager, op: Op, refused: set[int]) -> OpOutcome:
         case CommitOp():
             manager.commit(op.seq_id, op.num_computed_tokens)
             return OpOutcome()
+        case SpareOp():
+            spares = manager.spare(op.seq_ids)
+            return OpOutcome(deltas=[d for d in spares if d is not None],
+                             refused_seq_ids=[s for s, d in zip(op.seq_ids, spares, strict=True) if d is None])
         case AdvanceOp():
             told = 0
             for seq_id, num_slots, num_tokens in zip(op.seq_ids, op.num_slots, op.num_tokens, strict=True):
@@ -381,7 +415,7 @@ def _subjects(op: Op) -> tuple[int, ...]:
     match op:
         case ForkOp():
             return (op.parent_seq_id, op.child_seq_id)
-        case SwapOutOp() | SwapInOp() | DecodeOp() | AdvanceOp():
+        case SwapOutOp() | SwapInOp() | DecodeOp() | AdvanceOp() | SpareOp():
             return tuple(op.seq_ids)
         case _:
             return (op.seq_id,)

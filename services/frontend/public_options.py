@@ -26,6 +26,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_public_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("security and limits of the public API")
     group.add_argument("--tls-cert", metavar="PEM", help="serve over TLS with this certificate (chain)")

@@ -34,7 +34,7 @@ from .exporter import start_exporter
 from .generation import Backend, Serving
 from .http_api import build_app
 from .metrics import ServingMetrics
-from .public_options import PublicSettings, add_public_arguments, load_public_settings, positive_int
+from .public_options import PublicSettings, add_public_arguments, load_public_settings, non_negative_int, positive_int
 from .recovery import CacheMismatch, Sidecars
 from .scheduler import SWAP_WITHOUT_POOL, Scheduler, SchedulerConfig, shares_kv
 
@@ -70,17 +70,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                         help="plan and send step N+1 while the executor runs step N (--no-overlap: in lock step)")
-    add_stream_interval_argument(parser)
+    add_step_arguments(parser)
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="time-to-first-token objective")
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0, help="time-per-output-token objective")
     add_public_arguments(parser)
 
 
-def add_stream_interval_argument(parser: argparse.ArgumentParser) -> None:
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The frontend's step flags that `serve` passes on too."""
     parser.add_argument("--stream-interval", type=positive_int, default=1, metavar="STEPS",
                         help="a streaming request gets its first token at once, then a chunk every this many steps"
                              " (fewer, larger messages for many streams; a caller that falls behind gets what it"
                              " missed in one chunk anyway)")
+    parser.add_argument("--spare-lookahead", type=non_negative_int, default=SchedulerConfig.spare_lookahead,
+                        metavar="SLOTS", help="a block-manager call also takes a spare block for each decoding"
+                        " sequence with fewer free slots than this, so the next steps need no call (0: no spares)")
 
 
 def connect(args: argparse.Namespace, max_n: int, on_availability: Callable[[bool], None]) -> Backend:
@@ -96,7 +100,7 @@ def connect(args: argparse.Namespace, max_n: int, on_availability: Callable[[boo
     assert info is not None
     scheduler = Scheduler(
         SchedulerConfig(info.block_size, info.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
-                        args.preemption_mode, shares_kv(info.kv_layout)),
+                        args.preemption_mode, shares_kv(info.kv_layout), spare_lookahead=args.spare_lookahead),
         block_manager,
     )
     eos = frozenset(info.eos_token_ids) | ({tokenizer.eos_token_id} - {None})

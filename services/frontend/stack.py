@@ -33,10 +33,10 @@ from ..executor.options import ExecutorConfig, add_executor_arguments
 from .auth import KeysFileError
 from .public_options import add_public_arguments, load_public_settings, public_flags
 from .scheduler import SWAP_WITHOUT_POOL
-from .server import add_stream_interval_argument
+from .server import add_step_arguments
 
 FRONTEND_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "preemption_mode", "ttft_slo_ms",
-                  "tpot_slo_ms", "step_timeout", "recovery_timeout", "stream_interval")
+                  "tpot_slo_ms", "step_timeout", "recovery_timeout", "stream_interval", "spare_lookahead")
 RESTART_WINDOW_S = 300.0
 MODEL_LOAD_TIMEOUT_S = 1800.0  # a large model's load and warm-up on a GPU
 
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                         help="plan and send step N+1 while the executor runs step N (--no-overlap: in lock step)")
-    add_stream_interval_argument(parser)
+    add_step_arguments(parser)
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0)
     parser.add_argument("--status-interval", type=float, default=1.0, help="seconds between status lines")

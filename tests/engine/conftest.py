@@ -10,7 +10,7 @@ import pytest
 from tiny_model import EOS, VOCAB
 
 from pagedserve.services.block_manager.manager import BlockManager
-from pagedserve.services.block_manager.step import AdvanceOp, DecodeOp, Op, StepAnswer
+from pagedserve.services.block_manager.step import AdvanceOp, DecodeOp, Op, SpareOp, StepAnswer
 from pagedserve.services.executor.engine_config import build_runner
 from pagedserve.services.executor.options import ExecutorConfig
 from pagedserve.services.executor.runner import ModelRunner
@@ -23,15 +23,18 @@ EngineFactory = Callable[..., tuple[Engine, BlockManager]]
 
 class CheckedBlockManager(LocalBlockManager):
     """Every invariant of the block manager recomputed after each step's ops, not only at the end; the ops
-    counted by kind (a Decode or an Advance by its sequences)."""
+    counted by kind (a Decode, Advance or Spare by its sequences), and the calls."""
 
     def __init__(self, manager: BlockManager) -> None:
         super().__init__(manager)
         self.op_counts: Counter[str] = Counter()
+        self.num_calls = 0
 
     def step(self, ops: Sequence[Op]) -> StepAnswer:
+        self.num_calls += 1
         for op in ops:
-            self.op_counts[type(op).__name__] += len(op.seq_ids) if isinstance(op, DecodeOp | AdvanceOp) else 1
+            packed = isinstance(op, DecodeOp | AdvanceOp | SpareOp)
+            self.op_counts[type(op).__name__] += len(op.seq_ids) if packed else 1
         answer = super().step(ops)
         self.manager.check_integrity()
         return answer
@@ -64,7 +67,7 @@ def overlap(request: pytest.FixtureRequest) -> bool:
 def make_engine(tiny_llama_dir: Path, runners: dict[tuple[int, int], object], overlap: bool) -> EngineFactory:
     def make(num_blocks: int = 256, block_size: int = 4, cpu_blocks: int = 0, max_num_seqs: int = 16,
              max_num_batched_tokens: int = 64, preemption_mode: str = "recompute",
-             local_decodes: bool = True) -> tuple[Engine, BlockManager]:
+             local_decodes: bool = True, spare_lookahead: int = 8) -> tuple[Engine, BlockManager]:
         key = (num_blocks, block_size)
         if key not in runners:  # one model load per cache shape
             runners[key] = build_runner(ExecutorConfig(
@@ -76,7 +79,8 @@ def make_engine(tiny_llama_dir: Path, runners: dict[tuple[int, int], object], ov
         manager = BlockManager(num_blocks, block_size, num_cpu_blocks=cpu_blocks)
         scheduler = Scheduler(
             SchedulerConfig(block_size, info.max_model_len, max_num_seqs, max_num_batched_tokens,
-                            preemption_mode, local_decodes=local_decodes),  # type: ignore[arg-type]
+                            preemption_mode, local_decodes=local_decodes,  # type: ignore[arg-type]
+                            spare_lookahead=spare_lookahead),
             CheckedBlockManager(manager),
         )
         limits = EngineLimits(VOCAB, info.max_model_len, num_blocks, block_size, frozenset({EOS}))
