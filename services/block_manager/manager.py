@@ -318,6 +318,8 @@ class BlockManager:
         itself and tells them in an Advance, so most steps need no call at all. A spare is never shared (a fork or
         a shared tail rules it out), never copied (a swap-out gives it back), and freed with its sequence."""
         bs = self.block_size
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"spare: duplicate sequence ids in {list(seq_ids)}")
         for seq_id in seq_ids:
             seq = self._resident(seq_id)
             if self.has_spare(seq):

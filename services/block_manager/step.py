@@ -132,7 +132,8 @@ class _Validator:
         # Sequences whose only op so far is one decode: tracked without a shadow, since a step decodes
         # every running sequence and most are touched by nothing else.
         self.decoded_once: set[int] = set()
-        self.advanced: set[int] = set()  # named by the step's Advance (a Spare may follow it)
+        self.advanced: set[int] = set()  # named by the step's Advance and no other op so far (a Spare may follow)
+        self.forked: set[int] = set()  # children of this step's forks: their ids may name a sequence freed before
 
     def shadow(self, seq_id: int) -> _Shadow | None:
         if seq_id not in self.shadows:
@@ -215,6 +216,7 @@ class _Validator:
 
     def existing(self, seq_id: int, where: str, resident: bool | None = True) -> _Shadow:
         shadow = self.shadow(seq_id)
+        self.advanced.discard(seq_id)  # named by another op: no Spare may follow
         if shadow is None:
             raise InvalidStep(f"{where}: unknown sequence {seq_id}")
         if shadow.sealed:
@@ -252,8 +254,18 @@ class _Validator:
                 self.shadows[op.seq_id] = _Shadow(False, len(op.token_ids), 0, 0, sealed="was admitted")
             case ForkOp():
                 parent = self.existing(op.parent_seq_id, f"{at}.fork.parent_seq_id")
+                # a spare is never shared: its table as before the step (only a Spare adds one, and it seals),
+                # against its slots now (an Advance may have taken the spare), unless swapped or forked since
+                state, bs = self.manager.seqs.get(op.parent_seq_id), self.manager.block_size
+                if (state is not None and not state.is_swapped and not parent.swapped_in and op.parent_seq_id
+                        not in self.forked and len(state.block_table) * bs - parent.num_slots >= bs):
+                    raise InvalidStep(f"{at}.fork.parent_seq_id: sequence {op.parent_seq_id} holds a spare block (a"
+                                      " spare is never shared)")
                 self.absent(op.child_seq_id, f"{at}.fork.child_seq_id")
-                self.shadows[op.child_seq_id] = _Shadow(False, parent.num_known, parent.num_slots, parent.num_computed)
+                # a child of a sequence swapped in by this step shares the blocks the step's swap-in writes
+                self.shadows[op.child_seq_id] = _Shadow(False, parent.num_known, parent.num_slots, parent.num_computed,
+                                                        swapped_in=parent.swapped_in)
+                self.forked.add(op.child_seq_id)
             case ReserveOp():
                 seq = self.existing(op.seq_id, f"{at}.reserve.seq_id")
                 _check_token_ids(op.append_token_ids, f"{at}.reserve.append_token_ids")

@@ -72,6 +72,9 @@ def bm_ops(resident: list[int], swapped: list[int]) -> st.SearchStrategy[bm.Op]:
         bm_op(decode=id_lists(resident).flatmap(lambda ids: st.builds(  # a token per sequence, mostly; -1: told later
             bm.Decode, seq_ids=st.just(ids), token_ids=mostly(
                 st.lists(st.integers(-1, 2), min_size=len(ids), max_size=len(ids)), TOKEN_LISTS)))),
+        # a spare past each tail (refused once blocks above the watermark run out; a second one, one behind a
+        # shared tail, or one after another op on the sequence is INVALID_ARGUMENT), entered by later decodes
+        bm_op(spare=st.builds(bm.Spare, seq_ids=id_lists(resident))),
     )
     if swapped:  # they can take no other op than a swap-in or a free
         ops = st.one_of(ops, swap_in)

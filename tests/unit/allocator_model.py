@@ -5,14 +5,17 @@ and executor.proto, the docstrings of BlockManager and apply_step), not from the
 hashes: a full block's identity is (namespace, every token up to the block's end), which is exactly what the
 chained key H(parent, tokens) stands for. Reference counts are recounted from the block tables each time. The
 manager chooses block ids; the model only checks that each choice is legal (the least recently useful free blocks,
-in LRU order) and then follows the returned deltas. Within one apply_step, from its first op that may copy or swap,
-blocks (device and CPU) freed are held back until the step ends (`hold_back`, `end_step`).
+in LRU order) and then follows the returned deltas. A block table covers the slots plus at most one spare: an empty,
+private, never-hashed block past them, taken (above the watermark) by a Spare, used by the sequence's next slots
+(a decode, a reservation or an Advance) and given back by a swap-out. Within one apply_step, from its first op that
+may copy or swap, blocks (device and CPU) freed are held back until the step ends (`hold_back`, `end_step`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hypothesis import event
 from kv_cache_sim import KV, NO_EFFECTS, Effects
 
 from pagedserve.services.block_manager.manager import BlockCopy, BlockTableDelta
@@ -34,7 +37,11 @@ class ModelSeq:
         return (self.namespace, tuple(self.token_ids[: position + 1]))
 
     def filled(self, index: int, block_size: int) -> int:
-        return min(block_size, self.num_slots - index * block_size)
+        return max(0, min(block_size, self.num_slots - index * block_size))  # 0: its spare
+
+    def num_used_blocks(self, block_size: int) -> int:
+        """The blocks its slots lie in: the table holds these, and then at most one spare."""
+        return -(-self.num_slots // block_size)
 
 
 class AllocatorModel:
@@ -70,21 +77,34 @@ class AllocatorModel:
     def swapped_ids(self) -> list[int]:
         return sorted(i for i, seq in self.seqs.items() if seq.cpu_table is not None)
 
-    def local_room(self, seq_id: int) -> int:
-        """Slots a frontend may place itself in the sequence's tail block: its free ones, if no other holds it."""
+    def has_spare(self, seq_id: int) -> bool:
         seq = self.seqs[seq_id]
-        if seq.cpu_table is not None or not seq.table or self.ref_count(seq.table[-1]) > 1:
+        return seq.cpu_table is None and len(seq.table) > seq.num_used_blocks(self.block_size)
+
+    def local_room(self, seq_id: int) -> int:
+        """Slots a frontend may place itself: the free ones of its tail block, if no other holds it, and of its
+        spare (so a full tail with a spare has a block of room; a shared partial tail none)."""
+        seq, bs = self.seqs[seq_id], self.block_size
+        index = seq.num_slots // bs  # the block its next slot lies in
+        if seq.cpu_table is not None or index >= len(seq.table) or self.ref_count(seq.table[index]) > 1:
             return 0
-        return len(seq.table) * self.block_size - seq.num_slots
+        return len(seq.table) * bs - seq.num_slots
+
+    def can_have_spare(self, seq_id: int) -> bool:
+        """Whether a Spare of this (resident) sequence is legal: none held yet, and no shared partial tail."""
+        seq, bs = self.seqs[seq_id], self.block_size
+        return (seq.cpu_table is None and not self.has_spare(seq_id)
+                and (seq.num_slots % bs == 0 or self.ref_count(seq.table[-1]) == 1))
 
     def key(self, seq: ModelSeq, index: int) -> Key:
         return (seq.namespace, tuple(seq.token_ids[: (index + 1) * self.block_size]))
 
     def blocks_needed(self, seq: ModelSeq, num_tokens: int) -> tuple[int, bool]:
-        """(new tail blocks, whether the write goes into a shared partial tail: copy-on-write)."""
+        """(new tail blocks past the table, its spare included, and whether the write goes into a shared partial
+        tail: copy-on-write)."""
         bs = self.block_size
-        num_new = -(-(seq.num_slots + num_tokens) // bs) - len(seq.table)
-        cow = num_tokens > 0 and seq.num_slots % bs != 0 and self.ref_count(seq.table[-1]) > 1
+        num_new = max(0, -(-(seq.num_slots + num_tokens) // bs) - len(seq.table))
+        cow = num_tokens > 0 and seq.num_slots % bs != 0 and self.ref_count(seq.table[seq.num_slots // bs]) > 1
         return num_new, cow
 
     def budget(self, admission: bool) -> int:
@@ -144,6 +164,7 @@ class AllocatorModel:
     def fork(self, parent_id: int, child_id: int, deltas: list[BlockTableDelta]) -> None:
         parent = self.seqs[parent_id]
         assert parent.cpu_table is None and child_id not in self.seqs
+        assert not self.has_spare(parent_id), f"fork of {parent_id}, which holds a spare (a spare is never shared)"
         assert deltas == [BlockTableDelta(child_id, 0, tuple(parent.table))], f"fork {child_id}: {deltas}"
         self.seqs[child_id] = ModelSeq(parent.namespace, list(parent.token_ids), parent.num_slots,
                                        parent.num_computed, list(parent.table), None, list(parent.keys))
@@ -192,6 +213,8 @@ class AllocatorModel:
         seq, bs = self.seqs[seq_id], self.block_size
         num_new, cow = self.blocks_needed(seq, num_tokens)
         old, start = list(seq.table), seq.num_slots
+        if cow:  # a shared partial tail: the table ends with it (a sequence with one holds no spare)
+            assert len(old) == seq.num_used_blocks(bs), f"reserve {seq_id}: a spare behind a shared tail {old}"
         keep = len(old) - cow
         allocated: list[int] = []
         if num_new + cow == 0:
@@ -218,24 +241,54 @@ class AllocatorModel:
             assert self.ref_count(block_id) == 1, f"reserve {seq_id} writes into shared block {block_id}"
             assert block_id not in self.block_key, f"reserve {seq_id} writes into cached block {block_id}"
             writes.append((slot, seq.kv(position)))
+        if num_tokens and len(old) > -(-start // bs) and start + num_tokens > (len(old) - 1) * bs:
+            event(f"allocator: a reservation of {num_tokens} enters a spare{', and past it' if num_new else ''}")
         seq.num_slots = start + num_tokens
         return Effects(allocated, [("cow", c) for c in copies], writes)
 
     def advance(self, seq_id: int, num_slots: int, append: list[int]) -> Effects:
-        """Slots the frontend placed itself in the sequence's own tail block, told late: they must lie in that
-        block, which no other sequence holds; the executor wrote them when the frontend sent them (the writes
-        returned), and every slot is then committed."""
+        """Slots the frontend placed itself in the sequence's own tail block and its spare, told late: they must
+        lie in those blocks, which no other sequence holds; the executor wrote them when the frontend sent them
+        (the writes returned), and every slot is then committed."""
         seq, bs = self.seqs[seq_id], self.block_size
         start = seq.num_slots
-        assert seq.cpu_table is None and start + num_slots <= len(seq.table) * bs, f"advance {seq_id} past its tail"
-        if num_slots:
-            tail = seq.table[-1]
-            assert self.ref_count(tail) == 1 and tail not in self.block_key, f"advance {seq_id}: tail {tail} shared"
+        assert seq.cpu_table is None and start + num_slots <= len(seq.table) * bs, (
+            f"advance {seq_id} past its tail and spare")
+        room = self.local_room(seq_id)
+        assert num_slots <= room, f"advance {seq_id}: {num_slots} slots, room {room}"
+        for p in range(start, start + num_slots):
+            block_id = seq.table[p // bs]
+            assert self.ref_count(block_id) == 1 and block_id not in self.block_key, (
+                f"advance {seq_id}: block {block_id} is shared or cached")
+        if len(seq.table) > seq.num_used_blocks(bs) and start + num_slots > (len(seq.table) - 1) * bs:
+            event("allocator: an advance enters a spare" + (" from a partial tail" if start % bs else ""))
         seq.token_ids.extend(append)
-        writes = [(seq.table[-1] * bs + p % bs, seq.kv(p)) for p in range(start, start + num_slots)]
+        writes = [(seq.table[p // bs] * bs + p % bs, seq.kv(p)) for p in range(start, start + num_slots)]
         seq.num_slots = start + num_slots
         self.commit(seq_id, seq.num_slots)
         return Effects([], [], writes)
+
+    def spare(self, seq_ids: list[int], deltas: list[BlockTableDelta], refused_ids: list[int]) -> Effects:
+        """Per sequence in order: one empty block past its table, the head of the free queue, while free blocks
+        above the watermark last; the others are refused, unchanged."""
+        refused, allocated, rest = [], [], list(deltas)
+        assert len(set(seq_ids)) == len(seq_ids), f"spare {seq_ids}: duplicates granted"
+        for seq_id in seq_ids:
+            seq = self.seqs[seq_id]
+            assert self.can_have_spare(seq_id), f"spare of {seq_id} granted: it holds one, or a shared partial tail"
+            if self.budget(admission=True) <= 0:
+                refused.append(seq_id)
+                continue
+            assert rest, f"spare of {seq_id} refused with {self.budget(admission=True)} blocks above the watermark"
+            delta, rest = rest[0], rest[1:]
+            assert (delta.seq_id, delta.keep, len(delta.append)) == (seq_id, len(seq.table), 1), (
+                f"spare of {seq_id}: delta {delta}, table {seq.table}")
+            self._take(list(delta.append))
+            seq.table.append(delta.append[0])
+            allocated.append(delta.append[0])
+        assert rest == [], f"spare {seq_ids}: extra deltas {rest}"
+        assert refused_ids == refused, f"spare refused {refused_ids}, model {refused}"
+        return Effects(allocated, [], [])
 
     def commit(self, seq_id: int, num_computed: int) -> None:
         seq = self.seqs[seq_id]
@@ -256,7 +309,7 @@ class AllocatorModel:
         filled: dict[int, int] = {}
         for seq in seqs:
             assert seq.cpu_table is None
-            for i, block_id in enumerate(seq.table):
+            for i, block_id in enumerate(seq.table[: seq.num_used_blocks(self.block_size)]):  # not a spare
                 filled[block_id] = max(filled.get(block_id, 0), seq.filled(i, self.block_size))
         free_cpu = self.num_free_cpu_blocks()
         assert granted == (len(filled) <= free_cpu), f"swap_out {seq_ids}: {len(filled)} blocks, {free_cpu} free"
@@ -269,6 +322,10 @@ class AllocatorModel:
         assert all(self.cpu_ref_count(c) == 0 and c not in self.cpu_held for c in dst.values()), (
             f"swapped into a cpu block in use or freed earlier in this step: {copies}")
         assert sorted(deltas) == sorted(BlockTableDelta(i, 0, ()) for i in seq_ids), deltas
+        for seq in seqs:  # spares go back first, empty (not copied)
+            if len(seq.table) > seq.num_used_blocks(self.block_size):
+                event("allocator: a swap-out gives a spare back")
+                self._settle([seq.table.pop()])
         for seq in seqs:
             old, seq.table, seq.cpu_table = seq.table, [], [dst[b] for b in seq.table]
             self._settle(list(reversed(old)))
@@ -383,13 +440,20 @@ class AllocatorModel:
         assert {b: k for k, b in self.cached.items()} == self.block_key
         for seq_id, seq in self.seqs.items():
             table = seq.table if seq.cpu_table is None else seq.cpu_table
-            assert len(table) == -(-seq.num_slots // bs), f"seq {seq_id}: {len(table)} blocks, {seq.num_slots} slots"
+            used = seq.num_used_blocks(bs)
+            assert used <= len(table) <= used + (seq.cpu_table is None), (
+                f"seq {seq_id}: {len(table)} blocks, {seq.num_slots} slots")
             assert len(set(table)) == len(table), f"seq {seq_id} holds a block twice: {table}"
             assert seq.num_computed <= seq.num_slots <= len(seq.token_ids)
             assert seq.keys == [self.key(seq, i) for i in range(seq.num_computed // bs)]
             if seq.cpu_table is not None:
                 assert not seq.table
                 continue
+            if len(seq.table) > used:  # a spare: private, never cached, behind a private tail if partial
+                assert self.ref_count(seq.table[-1]) == 1 and seq.table[-1] not in self.block_key, (
+                    f"seq {seq_id}: its spare {seq.table[-1]} is shared or cached")
+                assert seq.num_slots % bs == 0 or self.ref_count(seq.table[-2]) == 1, (
+                    f"seq {seq_id} holds a spare behind a shared partial tail")
             for i, block_id in enumerate(seq.table):
                 if block_id in self.block_key:  # cache identity: a registered block holds every holder's prefix
                     assert (i + 1) * bs <= seq.num_slots, f"seq {seq_id} may still write into cached {block_id}"
@@ -401,7 +465,7 @@ class AllocatorModel:
         bs, used = self.block_size, self.num_blocks - len(self.free_order)
         filled: dict[int, int] = {}
         for seq in self.seqs.values():
-            for i, block_id in enumerate(seq.table):
+            for i, block_id in enumerate(seq.table):  # a spare: a used block, no slot filled
                 filled[block_id] = max(filled.get(block_id, 0), seq.filled(i, bs))
         return {
             "block_size": bs, "num_total_blocks": self.num_blocks, "num_free_blocks": len(self.free_order),

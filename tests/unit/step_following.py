@@ -21,6 +21,7 @@ from pagedserve.services.block_manager.step import (
     Op,
     OpOutcome,
     ReserveOp,
+    SpareOp,
     SwapInOp,
     SwapOutOp,
     apply_step,
@@ -60,7 +61,7 @@ def follow_op(model: AllocatorModel, op: Op, outcome: OpOutcome, refused: set[in
     assert isinstance(op, SwapOutOp) or not outcome.swap_out, f"{op} returned swap-out copies"
     assert isinstance(op, SwapInOp) or not outcome.swap_in, f"{op} returned swap-in copies"
     assert isinstance(op, ReserveOp | DecodeOp) or not outcome.copies, f"{op} returned copy-on-write copies"
-    assert isinstance(op, DecodeOp) or not outcome.refused_seq_ids
+    assert isinstance(op, DecodeOp | SpareOp) or not outcome.refused_seq_ids
     if isinstance(op, FreeOp):
         refused.discard(op.seq_id)
         assert outcome.granted
@@ -75,7 +76,7 @@ def follow_op(model: AllocatorModel, op: Op, outcome: OpOutcome, refused: set[in
         refused |= set(outcome.refused_seq_ids)
         return effects
     subjects = {op.parent_seq_id, op.child_seq_id} if isinstance(op, ForkOp) else (
-        set(op.seq_ids) if isinstance(op, SwapOutOp | SwapInOp | AdvanceOp) else {op.seq_id})
+        set(op.seq_ids) if isinstance(op, SwapOutOp | SwapInOp | AdvanceOp | SpareOp) else {op.seq_id})
     if refused & subjects:
         assert not outcome.granted, f"{op} applied after an earlier op on its sequence was refused"
         refused |= subjects
@@ -106,6 +107,9 @@ def follow_op(model: AllocatorModel, op: Op, outcome: OpOutcome, refused: set[in
                 writes += model.advance(seq_id, num_slots, list(op.token_ids[told : told + num_tokens])).writes
                 told += num_tokens
             effects = Effects([], [], writes)
+        case SpareOp():
+            assert outcome.granted
+            effects = model.spare(list(op.seq_ids), outcome.deltas, outcome.refused_seq_ids)
         case SwapOutOp():
             effects = model.swap_out(list(op.seq_ids), outcome.granted, outcome.swap_out, outcome.deltas)
         case SwapInOp():

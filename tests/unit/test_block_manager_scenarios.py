@@ -270,3 +270,208 @@ def test_reviving_a_held_back_cached_block_takes_no_free_block() -> None:
     # one free block: the hit revives held-back block 0 (not a free one) and the new token needs one
     assert outcomes[2].granted and outcomes[2].num_cached_tokens == 2
     m.check_integrity()
+
+
+# ---- spares: one empty block past a sequence's tail, so that its next decodes need no call ----------------------
+
+
+def test_an_advance_crosses_from_the_tail_into_the_spare() -> None:
+    from pagedserve.services.block_manager.step import AdvanceOp, ForkOp, InvalidStep, apply_step
+
+    m = BlockManager(num_blocks=8, block_size=4)
+    fill(m, 1, [1, 2, 3])  # block 0, 3 slots
+    fill(m, 2, [9])  # block 1
+    assert m.spare([1]) == [BlockTableDelta(1, 1, (2,))]  # the head of the free queue, past the table
+    assert m.block_table(1) == [0, 2] and m.has_spare(m.seqs[1]) and m.pool.blocks[2].num_filled == 0
+    m.check_integrity()
+    with pytest.raises(InvalidStep, match=r"ops\[0\]\.fork\.parent_seq_id: sequence 1 holds a spare"):
+        apply_step(m, [ForkOp(1, 3)])
+    with pytest.raises(ValueError, match="do not fit in its tail block and spare"):
+        m.advance(1, 6, [4, 5, 6, 7])  # 3 + 6 slots > 2 blocks
+    # the frontend placed positions 3, 4 and 5 itself: slot 3 in its tail, 8 and 9 in the spare (block 2)
+    assert [m.seqs[1].block_table[p // 4].block_id * 4 + p % 4 for p in (3, 4, 5)] == [3, 8, 9]
+    apply_step(m, [AdvanceOp([1], [3], [2], [4, 5])])
+    seq = m.seqs[1]
+    assert (seq.num_slots, seq.num_computed, seq.token_ids) == (6, 6, [1, 2, 3, 4, 5])
+    assert m.block_table(1) == [0, 2] and not m.has_spare(seq)
+    assert (m.pool.blocks[0].num_filled, m.pool.blocks[2].num_filled) == (4, 2)
+    assert m.pool.blocks[0].block_hash is not None and m.pool.blocks[2].block_hash is None  # block 0 is full
+    assert m.fork(1, 3) == BlockTableDelta(3, 0, (0, 2))  # the spare became its tail: it may be shared now
+    m.check_integrity()
+
+
+def test_a_decode_into_the_spare_makes_no_delta_and_a_reserve_uses_it_first() -> None:
+    m = BlockManager(num_blocks=8, block_size=4)
+    fill(m, 1, [1, 2, 3, 4])  # block 0, full
+    fill(m, 2, [1, 2, 3, 4])  # the same prompt, computed twice: block 1
+    assert m.spare([1, 2]) == [BlockTableDelta(1, 1, (2,)), BlockTableDelta(2, 1, (3,))]
+    free = m.stats().num_free_blocks
+    d = m.decode([1], [5])
+    assert (d.slot_mapping, d.deltas, d.copies, d.refused_seq_ids) == ([8], [], [], [])
+    assert m.stats().num_free_blocks == free and m.block_table(1) == [0, 2]
+    r = m.reserve(2, 1, [5])  # only its spare: the table does not change
+    assert r.granted and r.slot_mapping == [12] and r.delta is None
+    r = m.reserve(2, 4, [6, 7, 8, 9])  # the rest of the spare, then a new block past it
+    assert r.slot_mapping == [13, 14, 15, 16] and r.delta == BlockTableDelta(2, 2, (4,))
+    assert m.block_table(2) == [1, 3, 4] and not m.has_spare(m.seqs[2])
+    m.check_integrity()
+
+
+def test_a_swap_out_gives_the_spare_back_and_copies_only_used_blocks() -> None:
+    m = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=2)
+    fill(m, 1, [1, 2, 3, 4, 5, 6])  # blocks 0 (full, cached) and 1 (2 slots)
+    assert m.spare([1]) == [BlockTableDelta(1, 2, (2,))]
+    out = m.swap_out([1])
+    assert out.granted and sorted(out.copies) == [BlockCopy(0, 0, 4), BlockCopy(1, 1, 2)]
+    assert m.seqs[1].cpu_table == [0, 1] and m.stats().num_free_blocks == 8 and m.stats().num_free_cpu_blocks == 0
+    # the spare first, then the table tail first: unhashed blocks at the head, the cached one at the tail
+    assert [b.block_id for b in m.pool.free_queue] == [1, 2, 3, 4, 5, 6, 7, 0]
+    m.check_integrity()
+    back = m.swap_in([1])
+    assert back.granted and back.copies == [BlockCopy(1, 1, 2)] and m.block_table(1) == [0, 1]  # no spare
+    m.check_integrity()
+
+
+def test_a_refused_swap_out_keeps_the_spare() -> None:
+    m = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=1)
+    fill(m, 1, [1, 2, 3, 4, 5])  # 2 blocks: the cpu pool holds 1
+    m.spare([1])
+    before = (m.stats(), m.block_table(1))
+    assert not m.swap_out([1]).granted
+    assert (m.stats(), m.block_table(1)) == before and m.has_spare(m.seqs[1])
+    m.check_integrity()
+
+
+def test_a_spare_is_refused_when_only_watermark_blocks_are_left() -> None:
+    from pagedserve.services.block_manager.step import DecodeOp, SpareOp, apply_step
+
+    m = BlockManager(num_blocks=4, block_size=4, watermark=0.25)  # 1 block held back
+    fill(m, 1, [1, 2, 3])  # block 0
+    fill(m, 2, [7, 8, 9, 10])  # block 1, full; blocks 2 and 3 free: 1 above the watermark
+    outcome = apply_step(m, [SpareOp([1, 2])])[0]
+    assert outcome.granted and outcome.deltas == [BlockTableDelta(1, 1, (2,))] and outcome.refused_seq_ids == [2]
+    assert m.block_table(2) == [1] and not m.can_spare() and m.stats().num_free_blocks == 1
+    before = (m.stats(), m.block_table(2), [b.block_id for b in m.pool.free_queue])
+    assert m.spare([2]) == [None]
+    assert (m.stats(), m.block_table(2), [b.block_id for b in m.pool.free_queue]) == before
+    # the block the watermark holds back is not a spare's, but a running sequence's decode may take it
+    outcome = apply_step(m, [DecodeOp([2], [11])])[0]
+    assert outcome.refused_seq_ids == [] and outcome.deltas == [BlockTableDelta(2, 1, (3,))]
+    assert outcome.slot_mapping == [12] and m.stats().num_free_blocks == 0
+    m.check_integrity()
+
+
+def test_free_releases_the_spare_with_the_rest() -> None:
+    m = BlockManager(num_blocks=8, block_size=4)
+    fill(m, 1, [1, 2, 3])  # block 0
+    m.spare([1])  # block 1
+    m.free(1)
+    assert m.stats().num_free_blocks == 8 and m.stats().num_used_blocks == 0
+    assert [b.block_id for b in m.pool.free_queue][:2] == [0, 1]  # the spare first, then the tail: to the head
+    m.check_integrity()
+
+
+def test_kv_utilization_counts_a_spare_as_a_used_block_with_no_slot_filled() -> None:
+    m = BlockManager(num_blocks=8, block_size=4)
+    fill(m, 1, [1, 2, 3, 4, 5])  # 5 of 8 slots
+    assert m.stats().kv_utilization == pytest.approx(5 / 8)
+    m.spare([1])
+    stats = m.stats()
+    assert stats.num_used_blocks == 3 and stats.kv_utilization == pytest.approx(5 / 12)
+    m.advance(1, 3, [6, 7])  # fills block 1; the spare is still empty
+    assert m.has_spare(m.seqs[1]) and m.stats().kv_utilization == pytest.approx(8 / 12)
+    m.advance(1, 1, [8, 9])  # one slot in the spare
+    assert not m.has_spare(m.seqs[1]) and m.stats().kv_utilization == pytest.approx(9 / 12)
+    m.check_integrity()
+
+
+def test_spare_misuse_raises_and_changes_nothing() -> None:
+    m = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=4)
+    fill(m, 1, [1, 2, 3])
+    fill(m, 2, [4, 5, 6])
+    m.fork(2, 3)  # 2 and 3 share a partial tail
+    fill(m, 4, [7])
+    m.spare([4])
+    fill(m, 5, [8])
+    assert m.swap_out([5]).granted
+    cases = [
+        ([1, 1], "duplicate sequence ids"),
+        ([1, 4], "sequence 4 holds a spare already"),
+        ([1, 2], "sequence 2's tail block is shared"),
+        ([1, 9], "unknown sequence 9"),
+        ([1, 5], "sequence 5 is swapped out"),
+    ]
+    before = (m.stats(), [m.block_table(i) for i in (1, 2, 3, 4)])
+    for seq_ids, message in cases:  # the valid sequence before the bad one gets no spare either
+        with pytest.raises(ValueError, match=message):
+            m.spare(seq_ids)
+        assert (m.stats(), [m.block_table(i) for i in (1, 2, 3, 4)]) == before, seq_ids
+    with pytest.raises(ValueError, match="parent sequence 4 holds a spare"):
+        m.fork(4, 6)
+    assert 6 not in m.seqs and (m.stats(), [m.block_table(i) for i in (1, 2, 3, 4)]) == before
+    m.check_integrity()
+
+
+def test_a_step_names_a_spare_s_sequence_only_in_its_advance_before_it_and_in_nothing_after() -> None:
+    from pagedserve.services.block_manager.step import (
+        AdvanceOp,
+        CommitOp,
+        DecodeOp,
+        ForkOp,
+        FreeOp,
+        InvalidStep,
+        Op,
+        ReserveOp,
+        SpareOp,
+        apply_step,
+    )
+
+    m = BlockManager(num_blocks=8, block_size=4)
+    fill(m, 1, [1, 2, 3, 4, 5])  # blocks 0, 1: 5 slots, its own partial tail
+    advance = AdvanceOp([1], [1], [1], [6])
+    invalid: list[tuple[list[Op], str]] = [
+        ([DecodeOp([1], [6]), SpareOp([1])], r"ops\[1\]\.spare\.seq_ids: sequence 1 is named earlier"),
+        ([ReserveOp(1, 0), SpareOp([1])], r"ops\[1\]\.spare\.seq_ids: sequence 1 is named earlier"),
+        # after the Advance, another op (its fork shares the tail: the spare's own check would pass on the
+        # table as before the step, and the manager would then refuse it with half the step applied)
+        ([advance, ForkOp(1, 2), SpareOp([1])], r"ops\[2\]\.spare\.seq_ids: sequence 1 is named earlier"),
+        ([advance, CommitOp(1, 6), SpareOp([1])], r"ops\[2\]\.spare\.seq_ids: sequence 1 is named earlier"),
+        ([SpareOp([1]), FreeOp(1)], r"ops\[1\]\.free\.seq_id: sequence 1 was given a spare earlier"),
+        ([SpareOp([1]), SpareOp([1])], r"ops\[1\]\.spare\.seq_ids: sequence 1 is named earlier"),
+        ([SpareOp([1, 1])], r"ops\[0\]\.spare\.seq_ids: duplicate"),
+        ([SpareOp([9])], r"ops\[0\]\.spare\.seq_ids: unknown sequence 9"),
+    ]
+    before = (m.stats(), m.block_table(1), m.seqs[1].num_slots, list(m.seqs[1].token_ids))
+    for ops, message in invalid:
+        with pytest.raises(InvalidStep, match=message):
+            apply_step(m, ops)
+        assert (m.stats(), m.block_table(1), m.seqs[1].num_slots, list(m.seqs[1].token_ids)) == before, ops
+    outcomes = apply_step(m, [advance, SpareOp([1])])  # after its own Advance: valid
+    assert outcomes[1].deltas == [BlockTableDelta(1, 2, (2,))] and m.seqs[1].num_slots == 6
+    # held spare: a second one, or a fork, is refused in a step; an Advance into the spare makes the fork valid
+    for ops, message in [([SpareOp([1])], "sequence 1 holds a spare already"),
+                         ([ForkOp(1, 2)], r"ops\[0\]\.fork\.parent_seq_id: sequence 1 holds a spare"),
+                         ([AdvanceOp([1], [1], [1], [7]), ForkOp(1, 2)], r"ops\[1\]\.fork\.parent_seq_id")]:
+        with pytest.raises(InvalidStep, match=message):
+            apply_step(m, ops)
+    apply_step(m, [AdvanceOp([1], [3], [2], [7, 8]), ForkOp(1, 2)])  # 9 slots: the spare is its tail now
+    assert m.block_table(2) == [0, 1, 2] and not m.has_spare(m.seqs[1])
+    m.check_integrity()
+
+
+def test_a_fork_of_a_sequence_swapped_in_by_the_step_is_not_swapped_out_in_it() -> None:
+    """The child shares the blocks the step's swap-in writes, and the executor runs a step's swap-outs before its
+    swap-ins: swapped out in the same step, the child's CPU copy would be stale."""
+    from pagedserve.services.block_manager.step import ForkOp, InvalidStep, SwapInOp, SwapOutOp, apply_step
+
+    m = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=4)
+    fill(m, 1, [1, 2, 3])
+    assert m.swap_out([1]).granted
+    before = (m.stats(), m.seqs[1].cpu_table)
+    with pytest.raises(InvalidStep, match=r"ops\[2\]\.swap_out\.seq_ids: sequence 2 was swapped in earlier"):
+        apply_step(m, [SwapInOp([1]), ForkOp(1, 2), SwapOutOp([2])])
+    assert (m.stats(), m.seqs[1].cpu_table) == before and 2 not in m.seqs
+    outcomes = apply_step(m, [SwapInOp([1]), ForkOp(1, 2)])  # the next step may swap either out
+    assert outcomes[1].deltas == [BlockTableDelta(2, 0, tuple(m.block_table(1)))]
+    assert apply_step(m, [SwapOutOp([2])])[0].granted
+    m.check_integrity()

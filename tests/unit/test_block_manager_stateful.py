@@ -109,6 +109,48 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.kv.apply(self.model.advance(seq_id, num_slots, append))
         event(f"local_decodes: {num_slots} slots")
 
+    @precondition(lambda self: self.spare_candidates())
+    @checked_rule(data=st.data())
+    def spare(self, data: st.DataObject) -> None:
+        """Spares for some sequences, as the frontend asks for them: taken in order while blocks above the
+        watermark last; a refused sequence is unchanged. Their next slots enter them (local_decodes, decode,
+        reserve) and a swap-out gives them back."""
+        seq_ids = self.drawer.subset(data, self.spare_candidates(), "seqs")
+        self.do_spare(seq_ids)
+
+    @precondition(lambda self: self.spare_candidates())
+    @checked_rule(data=st.data())
+    def spare_at_the_limit(self, data: st.DataObject) -> None:
+        """Spares when the free blocks above the watermark are exactly as many as the sequences asking, or one
+        fewer: a filler sequence takes the others first, so the last one asking is refused, or none is."""
+        seq_ids = self.drawer.subset(data, self.spare_candidates(), "seqs")
+        target = len(seq_ids) - data.draw(st.integers(0, 1), label="blocks short")
+        take = self.model.budget(admission=True) - target
+        if take > 0:
+            filler, tokens = self.drawer.fresh_id(), [10**6 + self.drawer.next_seq_id] * (take * self.model.block_size)
+            created = self.manager.create(filler, tokens, self.namespaces[0])
+            self.model.create(filler, tokens, self.namespaces[0], created.num_cached_tokens, [created.delta])
+            assert self.do_reserve(filler, len(tokens), [], admission=False)
+        room = max(0, self.model.budget(admission=True))
+        spares = self.do_spare(seq_ids)
+        granted = [d is not None for d in spares]
+        assert granted == [i < room for i in range(len(seq_ids))], f"spares {spares}, {room} blocks above the watermark"
+        event(f"spare_at_the_limit: {'exactly' if room == target else 'missed'}, {granted.count(False)} refused")
+
+    def spare_candidates(self) -> list[int]:
+        return [i for i in self.model.resident_ids() if self.model.can_have_spare(i)]
+
+    def do_spare(self, seq_ids: list[int]) -> list[Any]:
+        before = self.snapshot()
+        spares = self.manager.spare(seq_ids)
+        assert len(spares) == len(seq_ids)
+        self.kv.apply(self.model.spare(seq_ids, [d for d in spares if d is not None],
+                                       [i for i, d in zip(seq_ids, spares, strict=True) if d is None]))
+        if all(d is None for d in spares):
+            assert self.snapshot() == before, "a refused spare changed the manager"
+        event(f"spare: {sum(d is None for d in spares)} of {len(spares)} refused")
+        return spares
+
     @checked_rule(data=st.data())
     def admit(self, data: st.DataObject) -> None:
         tokens = self.drawer.prompt(data)
@@ -127,11 +169,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.model.commit(seq_id, a.num_cached_tokens + a.num_tokens)
         event(f"admit: {'granted' if a.granted else 'refused'}")
 
-    @precondition(lambda self: self.model.resident_ids())
+    def fork_parents(self) -> list[int]:
+        return [i for i in self.model.resident_ids() if not self.model.has_spare(i)]
+
+    @precondition(lambda self: self.fork_parents())
     @checked_rule(data=st.data())
     def parallel_sample(self, data: st.DataObject) -> None:
         """Parallel sampling: fork a sequence, then decode parent and children (copy-on-write of the tail)."""
-        parent_id = data.draw(st.sampled_from(self.model.resident_ids()), label="parent")
+        parent_id = data.draw(st.sampled_from(self.fork_parents()), label="parent")
         seq_ids = [parent_id]
         for _ in range(data.draw(st.integers(1, 2), label="num_children")):
             seq_ids.append(self.drawer.fresh_id())
@@ -226,10 +271,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.kv.apply(effects)
         return r.granted
 
-    @precondition(lambda self: self.model.resident_ids())
+    @precondition(lambda self: self.fork_parents())
     @checked_rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
-        parent_id = data.draw(st.sampled_from(self.model.resident_ids()), label="parent")
+        parent_id = data.draw(st.sampled_from(self.fork_parents()), label="parent")
         child_id = self.drawer.fresh_id()
         self.model.fork(parent_id, child_id, [self.manager.fork(parent_id, child_id)])
 
@@ -289,7 +334,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
             ("admit no tokens", lambda: self.manager.admit(self.drawer.fresh_id(), [1], self.namespaces[0], 0)),
             ("decode unknown", lambda: self.manager.decode([UNKNOWN_SEQ], [1])),
             ("advance unknown", lambda: self.manager.advance(UNKNOWN_SEQ, 0)),
+            ("spare unknown", lambda: self.manager.spare([*self.spare_candidates()[:1], UNKNOWN_SEQ])),
         ]
+        candidates = self.spare_candidates()
+        if candidates:  # a valid sequence first: the bad one after it must still leave it unchanged
+            calls.append(("spare duplicates", lambda: self.manager.spare([candidates[0], candidates[0]])))
+        holders = [i for i in resident if self.model.has_spare(i)]
+        if holders:
+            calls += [
+                ("spare twice", lambda: self.manager.spare([*candidates[:1], holders[0]])),
+                ("fork a spare's holder", lambda: self.manager.fork(holders[0], self.drawer.fresh_id())),
+            ]
         if resident:
             r_id = resident[0]
             r_seq = self.model.seqs[r_id]
@@ -313,6 +368,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                       and self.model.ref_count(self.model.seqs[i].table[-1]) > 1]
             if shared:
                 calls.append(("advance into a shared tail", lambda: self.manager.advance(shared[0], 1, [1, 1])))
+                calls.append(("spare behind a shared tail", lambda: self.manager.spare([*candidates[:1], shared[0]])))
         if swapped:
             s_id = swapped[0]
             calls += [
@@ -322,8 +378,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 ("swap_out swapped", lambda: self.manager.swap_out([s_id])),
                 ("decode swapped", lambda: self.manager.decode([*resident[:1], s_id], [1] * (1 + len(resident[:1])))),
                 ("advance swapped", lambda: self.manager.advance(s_id, 0)),
+                ("spare swapped", lambda: self.manager.spare([*self.spare_candidates()[:1], s_id])),
             ]
         name, call = data.draw(st.sampled_from(calls), label="misuse")
+        event(f"misuse: {name}")
         if name == "swap_out duplicates" and not resident:
             return
         if name == "advance leaving three slots untold" and (
@@ -371,9 +429,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @checked_rule(data=st.data())
     def invalid_step(self, data: st.DataObject) -> None:
         """A batch with one malformed op, or one naming a sequence sealed earlier in the batch, raises
-        InvalidStep naming that op and applies nothing, not even the valid ops."""
+        InvalidStep naming that op and applies nothing, not even the valid ops (an Advance among them: then a
+        Spare of a sequence it names and a later op names too is one of the malformed)."""
         shadows = self.drawer.shadows()
-        ops = self.drawer.ops(data, shadows, 3, "before")
+        advance = self.drawer.advance_op(data, shadows) if data.draw(st.booleans(), label="advance first") else None
+        ops: list[Op] = [advance] if advance is not None else []
+        ops += self.drawer.ops(data, shadows, 3, "before")
         bad, why = self.drawer.invalid_op(data, shadows)
         index, ops = len(ops), [*ops, bad, *self.drawer.ops(data, shadows, 2, "after")]
         before = self.snapshot()
