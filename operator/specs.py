@@ -192,6 +192,7 @@ def _frontend(spec: Mapping[str, Any], mounts: list[Manifest], grpc_probes: bool
             "--max-waiting-requests", str(scheduler.get("maxWaitingRequests", 256)),
             "--preemption-mode", scheduler.get("preemptionMode", "recompute"),
             "--stream-interval", str(scheduler.get("streamInterval", 1)),
+            "--spare-lookahead", str(scheduler.get("spareLookahead", 8)),
             "--ttft-slo-ms", str(slo.get("ttftMs", 2000)), "--tpot-slo-ms", str(slo.get("tpotMs", 200))]
     resources = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
     http = {"port": "metrics", "scheme": "HTTP"}

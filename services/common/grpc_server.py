@@ -305,6 +305,18 @@ class Listener(Protocol):
 # overhead: 4.0-4.6 -> 3.1 ms a step). Objects that die young now die before a collection sees them.
 GC_THRESHOLDS = (20_000, 20, 10)
 
+# Set by processes.start_service to the supervisor's PID: a child whose supervisor died without stopping it (a
+# SIGKILL, or a SIGTERM that skips Python's finalizers) sees itself re-parented and stops as on SIGTERM, where it
+# would otherwise hold its port, its memory and the GPU until someone found it.
+PARENT_PID_ENV = "PAGEDSERVE_PARENT_PID"
+
+
+async def _stop_when_orphaned(parent: int, stop: asyncio.Event) -> None:
+    while os.getppid() == parent:
+        await asyncio.sleep(1.0)
+    log.warning("the supervising process %d is gone: stopping", parent)
+    stop.set()
+
 
 async def serve_until_signalled(
     service: GrpcService, warm_up: Callable[[], Awaitable[None]] | None = None, also: Sequence[Listener] = ()
@@ -316,6 +328,8 @@ async def serve_until_signalled(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    parent = os.environ.pop(PARENT_PID_ENV, None)  # popped: what this process starts has other supervisors
+    orphan_watch = asyncio.ensure_future(_stop_when_orphaned(int(parent), stop)) if parent else None
     await service.start()
     # the address is known (and health answers NOT_SERVING) before the warm-up, which may take a while;
     # supervisors read the first such line as the service's address
@@ -343,6 +357,8 @@ async def serve_until_signalled(
     log.info("serving %s on %s", ", ".join(service.service_names), service.listen)
     await stop.wait()
     log.info("stopping")
+    if orphan_watch is not None:
+        orphan_watch.cancel()
     await asyncio.gather(*(each.stop() for each in (service, *also)))
     shutdown_tracing()
 

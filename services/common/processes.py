@@ -1,7 +1,7 @@
 """Run pagedserve services as child processes: start, wait until they listen and report SERVING, stop.
 
 Used by `pagedserve serve`, the benchmarks and the integration tests. A child is stopped by its own PID
-(SIGTERM, then SIGKILL after a grace period), never by name.
+(SIGTERM, then SIGKILL after a grace period), never by name, and stops by itself once this process is gone.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .grpc_server import CHANNEL_OPTIONS
+from .grpc_server import CHANNEL_OPTIONS, PARENT_PID_ENV
 
 LISTENING = re.compile(r"listening on (\S+) \(port (\d+)\)")
 
@@ -36,7 +36,8 @@ def start_service(
     args: Sequence[str], listen: str = "127.0.0.1:0", timeout: float = 300.0, until_serving: bool = True
 ) -> ServiceProcess:
     """Starts `pagedserve ARGS --listen LISTEN`, waits until it listens (and, by default, is SERVING)."""
-    env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
+    # the child stops by itself if this process dies without stopping it (grpc_server.PARENT_PID_ENV)
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedserve", *args, "--listen", listen],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -18,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from polling import free_port
+from polling import free_port, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from stack_testing import PROMPTS
 
@@ -233,3 +235,39 @@ def test_a_frontend_killed_mid_stream_fails_its_streams_fast_and_restarts_clean(
             assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
     assert pod.stream(PROMPTS[1]) == expected[1]
     assert_idle_and_whole(pod)
+
+
+# A supervisor (as `pagedserve serve` or `LLM` is) that starts a block manager, prints its PID and waits.
+SUPERVISOR = """
+import sys, time
+from pagedserve.services.common.processes import start_service
+service = start_service(["block-manager", "--num-blocks", "8"], listen=sys.argv[1])
+print(service.proc.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited: no longer listed, or a zombie its new parent has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_service_whose_supervisor_is_killed_stops_by_itself(tmp_path: Path) -> None:
+    listen = f"unix:{tmp_path}/block-manager.sock"
+    supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, listen], stdout=subprocess.PIPE, text=True)
+    assert supervisor.stdout is not None
+    child = int(supervisor.stdout.readline())
+    try:
+        time.sleep(2.5)  # past a few of the child's 1 s looks at its parent: while it lives, the child serves
+        with grpc.insecure_channel(listen) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        supervisor.kill()  # -9: no finalizer, no atexit, nothing stops the child on the supervisor's side
+        supervisor.wait()
+        wait_for(lambda: _gone(child), "the orphaned block manager stops", timeout=30)
+    finally:
+        if not _gone(child):
+            os.kill(child, signal.SIGKILL)  # our own grandchild, by its PID

@@ -21,7 +21,8 @@ CRDS = Path(__file__).resolve().parents[2] / "charts" / "pagedserve" / "crds"
 SPEC: dict[str, Any] = {
     "model": "/models/smollm2", "modelVolume": {"mountPath": "/models", "hostPath": {"path": "/srv/weights"}},
     "gpusPerPod": 2, "cache": {"blockSize": 32, "numBlocks": 1000, "cpuSwapMiB": 256},
-    "scheduler": {"maxNumSeqs": 8, "preemptionMode": "swap", "streamInterval": 4}, "slo": {"ttftMs": 500, "tpotMs": 50},
+    "scheduler": {"maxNumSeqs": 8, "preemptionMode": "swap", "streamInterval": 4,
+                  "spareLookahead": 3}, "slo": {"ttftMs": 500, "tpotMs": 50},
     "env": [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel:4317"}],
     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     "nodeSelector": {"nvidia.com/gpu.present": "true"},
@@ -78,6 +79,7 @@ def test_container_arguments_are_what_each_service_accepts() -> None:
     assert (frontend.max_num_seqs, frontend.preemption_mode, frontend.ttft_slo_ms, frontend.tpot_slo_ms) == (
         8, "swap", 500, 50)
     assert frontend.stream_interval == 4
+    assert frontend.spare_lookahead == 3
     assert frontend.listen == "0.0.0.0:50051" and frontend.metrics_listen == "0.0.0.0:9400"
     assert frontend.http_listen == "0.0.0.0:8000"  # the OpenAI-compatible API
 
