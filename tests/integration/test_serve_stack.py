@@ -379,9 +379,12 @@ def test_a_full_waiting_queue_refuses_new_requests_at_once(tiny_chat_model_dir: 
 
 def test_logprobs_and_chat_client(pod: Pod) -> None:
     chunks, _ = pod.generate(PROMPTS[0], max_tokens=4, logprobs=2, ignore_eos=True)
-    for chunk in chunks[:-1]:
-        (entry,) = chunk.logprobs
-        assert entry.token_id == chunk.token_ids[0] and len(entry.top_token_ids) == 2
+    entries = []
+    for chunk in chunks[:-1]:  # a chunk carries every token that was ready when it was sent: one or more
+        entries += zip(chunk.logprobs, chunk.token_ids, strict=True)
+    assert len(entries) == 4
+    for entry, token_id in entries:
+        assert entry.token_id == token_id and len(entry.top_token_ids) == 2
         assert entry.logprob <= 0 and entry.top_logprobs[0] >= entry.top_logprobs[1]
         assert entry.top_token_ids[0] == entry.token_id  # greedy: the chosen token is the most likely
     assert not pod.generate(PROMPTS[0], max_tokens=2)[0][0].logprobs  # only when asked
