@@ -7,6 +7,9 @@ the CPU, the Triton kernels with `--device cuda`) and through HF `generate()` on
 one left-padded static batch). Tokens/s is
 generated tokens over the wall time of the whole call, prefill included, measured side by side in one
 process with the same torch thread count, alternating the two sides `--repeats` times (medians reported).
+Every torch op of the benchmark (HF's too) runs on the LLM's step thread, so that the process has one OpenMP
+pool, as the executor service does: with two pools on two cores every parallel region waits for a wake-up
+(ports.LocalExecutor).
 
 The decode step (`--decode-seqs` sequences, 64 by default, each `--decode-context` tokens into its context):
 the whole `ModelRunner.execute` of one greedy decode step (batch building, forward, logits, sampling) against
@@ -100,6 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from ..services.executor.model.registry import resolve_model
     from ..services.frontend.llm import LLM
+    from ..services.frontend.ports import LocalExecutor
 
     batches = [int(b) for b in args.batches.split(",")]
     # in process: the decode-step timing below runs the LLM's own model on a runner of its own
@@ -108,26 +112,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     source = resolve_model(args.model)
     hf_kwargs: dict[str, Any] = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
     folder = source.path.parent if source.kind == "gguf" else source.path
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype), **hf_kwargs)
-    hf = hf.to(args.device).eval()
+    executor = llm.engine.executor
+    assert isinstance(executor, LocalExecutor), f"the LLM's executor is {type(executor).__name__}"
+    on_model_thread = executor.call
+
+    def load_hf() -> Any:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype), **hf_kwargs).to(
+            args.device).eval()
+    hf = on_model_thread(load_hf)
     result: dict[str, Any] = {"model": args.model, "new_tokens": args.new_tokens, "device": args.device,
                               "dtype": args.dtype,
-                              "torch_threads": torch.get_num_threads(), "repeats": args.repeats}
+                              "torch_threads": on_model_thread(torch.get_num_threads), "repeats": args.repeats}
     warm = _prompts(llm.tokenizer, 2)
     bench_ours(llm, warm, 4)
-    bench_hf(hf, llm.tokenizer, warm, 4)
+    on_model_thread(bench_hf, hf, llm.tokenizer, warm, 4)
     for batch in batches:
         prompts = _prompts(llm.tokenizer, batch)
         ours, theirs = [], []
         for _ in range(args.repeats):  # alternate, so a burst of load elsewhere hits both sides alike
             ours.append(bench_ours(llm, prompts, args.new_tokens))
-            theirs.append(bench_hf(hf, llm.tokenizer, prompts, args.new_tokens))
+            theirs.append(on_model_thread(bench_hf, hf, llm.tokenizer, prompts, args.new_tokens))
         result[f"ours_tok_s_batch{batch}"] = round(statistics.median(ours), 1)
         result[f"hf_tok_s_batch{batch}"] = round(statistics.median(theirs), 1)
         result[f"ratio_batch{batch}"] = round(statistics.median(ours) / statistics.median(theirs), 3)
     if args.decode_seqs > 0:
-        result.update(bench_decode_step(llm, args.decode_seqs, args.decode_context, max(args.repeats, 5),
-                                        breakdown=args.decode_breakdown))
+        result.update(on_model_thread(functools.partial(
+            bench_decode_step, llm, args.decode_seqs, args.decode_context, max(args.repeats, 5),
+            breakdown=args.decode_breakdown)))
     return result
 
 

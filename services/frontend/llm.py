@@ -110,8 +110,7 @@ class LLM:
     def _load_runner(self, config: ExecutorConfig) -> tuple[ExecutorPort, ExecutorInfo]:
         from ..executor.engine_config import build_runner  # torch, in this process
 
-        runner, info = build_runner(config)
-        return LocalExecutor(runner), info
+        return LocalExecutor.load(lambda: build_runner(config))  # on the step thread: one OpenMP pool
 
     def close(self) -> None:
         """Stops the executor process (if any); the LLM is unusable after."""

@@ -10,9 +10,9 @@ in request order. Steps run in the order they are submitted, so step N+1 can be 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from ..block_manager.manager import BlockManager
 from ..block_manager.stats import BlockStats
@@ -21,6 +21,9 @@ from ..executor.step_types import SampledToken, StepInput
 
 if TYPE_CHECKING:  # the scheduler imports this module in the frontend, which must not load torch
     from ..executor.runner import ModelRunner
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class PendingAnswer(Protocol):
@@ -71,11 +74,28 @@ class Answered(NamedTuple):
 
 
 class LocalExecutor:
-    """The runner on a thread of its own, so that the engine plans the next step while this one runs."""
+    """The runner on a thread of its own, so that the engine plans the next step while this one runs.
 
-    def __init__(self, runner: ModelRunner) -> None:
+    `load` builds the runner on that thread, and `call` runs other torch work there: libgomp gives every thread
+    that opens an OpenMP region a pool of worker threads of its own, and once the pools' threads outnumber the
+    cores, each pool's workers stop spinning and sleep at every barrier, so that each of a step's ~200 parallel
+    regions waits for a wake-up (a decode step at 64 sequences 10-15 % slower on two cores, docs/performance.md,
+    "One OpenMP pool"). The executor service loads on its step thread for the same reason."""
+
+    def __init__(self, runner: ModelRunner, thread: ThreadPoolExecutor | None = None) -> None:
         self.runner = runner
-        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
+        self.thread = thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
+
+    @classmethod
+    def load(cls, build: Callable[[], tuple[ModelRunner, T]]) -> tuple[LocalExecutor, T]:
+        """The runner `build` makes on the new step thread, with what else it returns."""
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
+        runner, extra = thread.submit(build).result()
+        return cls(runner, thread), extra
+
+    def call(self, fn: Callable[..., R], *args: Any) -> R:
+        """fn(*args) on the step thread, after the steps submitted before it."""
+        return self.thread.submit(fn, *args).result()
 
     def submit(self, step: StepInput) -> RunningStep:
         return self.thread.submit(self.runner.execute, step)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -50,6 +51,27 @@ def test_executor_in_process_equals_executor_process(llm: LLM) -> None:
         here = in_process.generate(prompts, params, progress=False)
     there = llm.generate(prompts, params, progress=False)
     assert [r.outputs[0].token_ids for r in here] == [r.outputs[0].token_ids for r in there]
+
+
+def test_in_process_the_model_opens_no_openmp_pool_on_the_callers_thread() -> None:
+    # libgomp gives every thread that opens a parallel region a pool of workers of its own, and once the pools'
+    # threads outnumber the cores, every pool's workers sleep at each barrier (a decode step 10-15 % slower on
+    # two cores). So the in-process model loads and runs on its step thread only, and a parallel op on the
+    # caller's thread afterwards starts the caller's first worker. In a child process: its main thread has
+    # run nothing in parallel before.
+    script = textwrap.dedent("""
+        import os, torch
+        from pagedserve import LLM, GenerationParams
+        llm = LLM("smollm2-135m", device="cpu", dtype="float32", kv_cache_mib=16, executor="thread", threads=2)
+        llm.generate(["The capital of France is"], GenerationParams(max_tokens=4), progress=False)
+        torch.set_num_threads(2)
+        before = len(os.listdir("/proc/self/task"))
+        torch.randn(1 << 22).sum()  # millions of elements: a parallel region on this thread
+        print(len(os.listdir("/proc/self/task")) - before)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=True,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert out.stdout.split()[-1] == "1", out.stdout + out.stderr
 
 
 def test_close_stops_the_executor_process() -> None:
