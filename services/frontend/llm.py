@@ -3,7 +3,11 @@
 The same engine as the server (block-manager core, scheduler, model runner) without the public API: the
 block manager runs in process; the model runs by default in an executor process of its own on a private
 unix socket. In process (`executor="thread"`) the engine's Python and the model's op dispatch share one
-interpreter lock, and overlapped steps then cost the model up to a fifth of its speed on a CPU.
+interpreter lock, and overlapped steps then cost the model up to a fifth of its speed on a CPU. There the model
+loads and runs on a step thread of its own; torch run in parallel on another thread of the same process (the
+caller's, say) gives libgomp a second thread pool, and with more pool threads than cores each of a step's
+parallel regions waits for its workers to wake (a CPU decode step 10-15 % slower on two cores). Run such work
+through `engine.executor.call` (the step thread), or keep the default executor process.
 """
 
 from __future__ import annotations
