@@ -90,7 +90,11 @@ class LocalExecutor:
     def load(cls, build: Callable[[], tuple[ModelRunner, T]]) -> tuple[LocalExecutor, T]:
         """The runner `build` makes on the new step thread, with what else it returns."""
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
-        runner, extra = thread.submit(build).result()
+        try:
+            runner, extra = thread.submit(build).result()
+        except BaseException:
+            thread.shutdown()  # a model that failed to load leaves no thread behind
+            raise
         return cls(runner, thread), extra
 
     def call(self, fn: Callable[..., R], *args: Any) -> R:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -72,6 +73,13 @@ def test_in_process_the_model_opens_no_openmp_pool_on_the_callers_thread() -> No
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=True,
                          env={**os.environ, "PYTHONSAFEPATH": "1"})
     assert out.stdout.split()[-1] == "1", out.stdout + out.stderr
+
+
+def test_an_in_process_model_that_fails_to_load_leaves_no_step_thread() -> None:
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="unknown model"):
+        LLM("no-such-model", device="cpu", executor="thread")
+    assert [t.name for t in set(threading.enumerate()) - before] == []
 
 
 def test_close_stops_the_executor_process() -> None:
