@@ -73,6 +73,10 @@ class Answered(NamedTuple):
         return self.answer
 
 
+def _step_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
+
+
 class LocalExecutor:
     """The runner on a thread of its own, so that the engine plans the next step while this one runs.
 
@@ -84,12 +88,12 @@ class LocalExecutor:
 
     def __init__(self, runner: ModelRunner, thread: ThreadPoolExecutor | None = None) -> None:
         self.runner = runner
-        self.thread = thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
+        self.thread = thread or _step_thread()
 
     @classmethod
     def load(cls, build: Callable[[], tuple[ModelRunner, T]]) -> tuple[LocalExecutor, T]:
         """The runner `build` makes on the new step thread, with what else it returns."""
-        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
+        thread = _step_thread()
         try:
             runner, extra = thread.submit(build).result()
         except BaseException:
