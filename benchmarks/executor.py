@@ -17,7 +17,9 @@ the same linear layers alone (every layer's fused QKV, O, fused gate/up and down
 with the step's shapes), the two timed alternately (medians). Their ratio is what the step costs beyond its
 GEMMs: attention, norms, rotary, activations, sampling, Python (docs/performance.md). `--decode-breakdown`
 times its parts; on the cpu backend those of its decode forward (services/executor/model/cpu_decode.py), where
-the rotary embedding and the cache write are part of "attention".
+the rotary embedding and the cache write are part of "attention". Under fp32 weights on the CPU the step is
+also timed over a bf16 cache (`--kv-cache-dtype`: half the bytes attention reads), alternated with the fp32
+one: `decode_step_over_matmul_64_bfloat16_kv`, `kv_step_ratio_bf16_over_fp32`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..services.executor.options import KERNEL_BACKENDS
+from ..services.executor.options import KERNEL_BACKENDS, KV_CACHE_DTYPES
 from .report import emit
 
 TEXTS = [
@@ -87,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--kernel-backend", choices=KERNEL_BACKENDS,
                         help="as the executor's (default: triton on a GPU, else cpu where it builds)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="the LLM's KV cache (the decode step is also timed over the other one)")
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per side; medians are reported")
@@ -108,7 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batches = [int(b) for b in args.batches.split(",")]
     # in process: the decode-step timing below runs the LLM's own model on a runner of its own
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(batches), max_num_batched_tokens=2048,
-              executor="thread", kernel_backend=args.kernel_backend)
+              executor="thread", kernel_backend=args.kernel_backend, kv_cache_dtype=args.kv_cache_dtype)
     source = resolve_model(args.model)
     hf_kwargs: dict[str, Any] = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
     folder = source.path.parent if source.kind == "gguf" else source.path
@@ -146,7 +150,9 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, br
                       ) -> dict[str, Any]:
     """One decode step of `num_seqs` sequences at `context` tokens vs its own matmuls (medians of `repeats`
     alternating timings). The step runs on a runner of its own that shares the LLM's model (weights), with a
-    KV cache just large enough, so that nothing of the LLM's cache is touched."""
+    KV cache just large enough, so that nothing of the LLM's cache is touched. Under fp32 weights on the CPU
+    the same step is also timed over a cache of the other dtype (fp32 or bf16, `--kv-cache-dtype`), alternated
+    with the first: keys ending `_bfloat16_kv` (or `_float32_kv`) and `kv_step_ratio_bf16_over_fp32`."""
     from ..services.executor.runner import ModelRunner
     from ..services.executor.step_types import GREEDY, SequenceInput, StepInput
     from ..services.frontend.ports import LocalExecutor
@@ -156,44 +162,61 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, br
     served = executor.runner
     block_size = served.block_size
     blocks_per_seq = -(-(context + 1) // block_size)
-    runner = ModelRunner(served.model, served.config, served.backend, block_size, num_seqs * blocks_per_seq, 0,
-                         served.max_model_len)
+    kv_dtypes = [served.kv_dtype]
+    if served.dtype == torch.float32 and served.backend.name in ("cpu", "torch"):
+        kv_dtypes.append(torch.bfloat16 if served.kv_dtype == torch.float32 else torch.float32)
     prompts = _prompts(llm.tokenizer, num_seqs)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
 
     def slots(seq: int, start: int, count: int) -> list[int]:
         return [tables[seq][p // block_size] * block_size + p % block_size for p in range(start, start + count)]
 
-    last_tokens = []
-    for first in range(0, num_seqs, 8):  # prefill: each prompt repeated up to the context, 8 sequences a step
-        seqs = [SequenceInput(i, (prompts[i] * context)[:context], 0, tables[i], slots(i, 0, context), GREEDY)
-                for i in range(first, min(first + 8, num_seqs))]
-        last_tokens += [t.token_id for t in runner.execute(StepInput(seqs))]
-    # The same step again and again: each run writes the same slot, so the context stays `context` tokens.
-    step = StepInput([SequenceInput(i, [last_tokens[i]], context, tables[i], slots(i, context, 1), GREEDY)
-                      for i in range(num_seqs)])
+    def prepared(kv_dtype: torch.dtype) -> tuple[ModelRunner, StepInput]:
+        runner = ModelRunner(served.model, served.config, served.backend, block_size, num_seqs * blocks_per_seq, 0,
+                             served.max_model_len, kv_dtype=kv_dtype)
+        last_tokens = []
+        for first in range(0, num_seqs, 8):  # prefill: each prompt repeated up to the context, 8 sequences a step
+            seqs = [SequenceInput(i, (prompts[i] * context)[:context], 0, tables[i], slots(i, 0, context), GREEDY)
+                    for i in range(first, min(first + 8, num_seqs))]
+            last_tokens += [t.token_id for t in runner.execute(StepInput(seqs))]
+        # The same step again and again: each run writes the same slot, so the context stays `context` tokens.
+        return runner, StepInput([SequenceInput(i, [last_tokens[i]], context, tables[i], slots(i, context, 1), GREEDY)
+                                  for i in range(num_seqs)])
+
+    steps = [prepared(kv_dtype) for kv_dtype in kv_dtypes]
     matmuls = _step_matmuls(served.model, num_seqs)
-    runner.execute(step)  # warm-up
-    matmuls()
-    step_s, matmul_s = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    for runner, step in steps:  # warm-up
         runner.execute(step)
-        step_s.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        matmuls()
-        matmul_s.append(time.perf_counter() - start)
-    step_ms, matmul_ms = 1000 * statistics.median(step_s), 1000 * statistics.median(matmul_s)
-    # the ratio of each step to the matmuls timed right after it: load elsewhere that drifts over the run
-    # slows both sides of a pair alike
-    ratio = statistics.median(step / matmul for step, matmul in zip(step_s, matmul_s, strict=True))
+    matmuls()
+    step_s: list[list[float]] = [[] for _ in steps]
+    matmul_s: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for (runner, step), step_times, matmul_times in zip(steps, step_s, matmul_s, strict=True):
+            start = time.perf_counter()
+            runner.execute(step)
+            step_times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            matmuls()
+            matmul_times.append(time.perf_counter() - start)
     n = num_seqs
     result: dict[str, Any] = {
         "kernel_backend": served.backend.name,  # "cpu": the C kernels (kernels/cpu_native.py); "torch": torch's ops
-        f"decode_context_{n}": context, f"decode_step_ms_{n}": round(step_ms, 2),
-        f"decode_matmul_ms_{n}": round(matmul_ms, 2), f"decode_step_over_matmul_{n}": round(ratio, 3),
+        f"decode_context_{n}": context, "kv_cache_dtype": str(served.kv_dtype).removeprefix("torch."),
     }
+    for i, kv_dtype in enumerate(kv_dtypes):
+        suffix = "" if i == 0 else f"_{str(kv_dtype).removeprefix('torch.')}_kv"
+        # the ratio of each step to the matmuls timed right after it: load elsewhere that drifts over the run
+        # slows both sides of a pair alike
+        ratio = statistics.median(step / matmul for step, matmul in zip(step_s[i], matmul_s[i], strict=True))
+        result |= {f"decode_step_ms_{n}{suffix}": round(1000 * statistics.median(step_s[i]), 2),
+                   f"decode_matmul_ms_{n}{suffix}": round(1000 * statistics.median(matmul_s[i]), 2),
+                   f"decode_step_over_matmul_{n}{suffix}": round(ratio, 3)}
+    if len(kv_dtypes) == 2:  # each round's bf16 step over its fp32 step, side by side
+        bf16 = kv_dtypes.index(torch.bfloat16)
+        result["kv_step_ratio_bf16_over_fp32"] = round(statistics.median(
+            narrow / wide for narrow, wide in zip(step_s[bf16], step_s[1 - bf16], strict=True)), 3)
     if breakdown:
+        runner, step = steps[0]
         parts: dict[str, list[float]] = collections.defaultdict(list)
         with _section_timers(runner.model) as sections:
             for _ in range(repeats):

@@ -133,7 +133,7 @@ def run_pass(llm: LLM, jobs: list[Job], args: argparse.Namespace) -> dict[str, A
     good = sum(1 for r in requests if r.metrics.first_token
                and (r.metrics.first_token - r.metrics.arrival) * 1e3 <= args.ttft_slo_ms
                and (_tpot_ms(r) or 0.0) <= args.tpot_slo_ms)
-    per_block = kv_bytes_per_block(runner.config, runner.block_size, runner.dtype)
+    per_block = kv_bytes_per_block(runner.config, runner.block_size, runner.kv_dtype)
     # virtual: the pages it committed; paged and static: the pool, allocated (and touched) at startup
     resident = virtual.peak_committed_bytes if virtual else runner.num_blocks * per_block
     return {

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..services.executor.options import KV_CACHE_DTYPES
 from .executor import TEXTS, bench_hf, bench_ours
 from .report import emit
 
@@ -124,7 +125,8 @@ def run_served(args: argparse.Namespace, prompts: list[list[int]], new_tokens: i
     flags = dict.fromkeys(("preemption_mode", "block_size", "ttft_slo_ms", "tpot_slo_ms"))
     # the executor gets the offline run's torch threads (all cores), not serve's default of all but one
     stack_args = argparse.Namespace(model=args.model, kv_cache_mib=args.kv_cache_mib, max_num_seqs=len(prompts),
-                                    max_num_batched_tokens=2048, threads=torch.get_num_threads(), **flags)
+                                    max_num_batched_tokens=2048, threads=torch.get_num_threads(),
+                                    kv_cache_dtype=args.kv_cache_dtype, **flags)
     with tempfile.TemporaryFile("w+") as log:
         stack = start_stack(stack_args, log)
         try:
@@ -175,6 +177,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=64, help="distinct prompts, all in one batch")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="KV budget of pagedserve and of vLLM")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="pagedserve's (bfloat16: a bf16 cache under the fp32 weights; the greedy matches say"
+                             " what it changed); the peer's stays fp32")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds in which every side runs once, alternated; medians are reported")
     parser.add_argument("--serve", action="store_true",
@@ -192,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     peer_python = vllm_python(args.peer_venv) if args.peer == "vllm" else None  # fail before minutes of work
     llm = LLM(args.model, device="cpu", dtype="float32", max_num_seqs=args.prompts, max_num_batched_tokens=2048,
-              kv_cache_mib=args.kv_cache_mib)
+              kv_cache_mib=args.kv_cache_mib, kv_cache_dtype=args.kv_cache_dtype)
     prompts = [list(llm.tokenizer.encode(t, add_special_tokens=False)) for t in prompt_texts(args.prompts)]
     source = resolve_model(args.model)
     hf_kwargs: dict[str, Any] = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
@@ -248,6 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(), "num_preemptions": preemptions, "repeats": args.repeats,
         "python": sys.version.split()[0], "kernel_backend": llm.info.kernel_backend,
+        "kv_cache_dtype": llm.info.kv_cache_dtype or llm.info.dtype,
     }
     return result
 

@@ -66,7 +66,7 @@ def check_cache_write_inputs(
     assert key.shape[1:] == (cache.num_kv_heads, cache.head_dim), (
         f"key heads/dim {tuple(key.shape[1:])} != cache {(cache.num_kv_heads, cache.head_dim)}"
     )
-    assert key.dtype == value.dtype == k_cache.dtype, f"dtypes differ: {key.dtype}, {value.dtype}, {k_cache.dtype}"
+    assert key.dtype == value.dtype, f"key {key.dtype} != value {value.dtype}"  # the cache may be narrower
     assert key.stride(-1) == 1 and value.stride(-1) == 1, "key and value must be contiguous along head_dim"
     assert slot_mapping.dtype == torch.int64, f"slot_mapping must be int64, got {slot_mapping.dtype}"
     assert slot_mapping.shape == (key.shape[0],), f"slot_mapping must be [{key.shape[0]}], got {slot_mapping.shape}"
@@ -106,8 +106,10 @@ def cache_write_ref(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    """Torch reference and CPU path: one indexed copy per cache (any strides; contiguous caches are faster)."""
+    """Torch reference and CPU path: one indexed copy per cache (any strides; contiguous caches are faster),
+    rounded to the cache's dtype where it is narrower than the keys'."""
     check_cache_write_inputs(key, value, k_cache, v_cache, slot_mapping)
+    key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     valid = slot_mapping >= 0
     if not bool(valid.all()):  # padding present: drop it (boolean indexing copies, so only when needed)
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]

@@ -7,7 +7,8 @@
  * a subtraction and an addition; the cache write: an index_copy_ per cache), each a pass over memory with
  * its own allocation and thread team. The results differ from torch's in the last bits only (the order of
  * a sum, fused multiply-adds, exp's polynomial): tests/kernels/test_cpu_layer_ops.py bounds them. The cache
- * write copies bits, and checks every slot before it writes any.
+ * write copies bits into an fp32 cache, or rounds them as torch does into a bf16 one, and checks every slot
+ * before it writes any.
  */
 #include <math.h>
 #include <stdint.h>
@@ -95,47 +96,66 @@ void silu_and_mul_f32(const float *gate_up, int64_t gate_up_stride, float *out, 
     }
 }
 
-/* k_cache/v_cache row slots[t] (num_kv_heads * head_dim floats) = key/value token t; rows of key and value
- * `key_stride` / `value_stride` floats apart; a negative slot is padding and skipped. Every slot is checked
- * against the cache before anything is written. */
+/* x rounded to the nearest bf16, ties to even, as torch rounds (c10's round_to_nearest_even): any NaN becomes
+ * the quiet NaN 0x7fc0. Without a branch, so that the row loop vectorizes. */
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (bits & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0u : (uint16_t)rounded;
+}
+
+static inline void round_row(uint16_t *out, const float *in, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = to_bf16(in[i]);
+}
+
+/* k_cache/v_cache row slots[t] (num_kv_heads * head_dim elements: fp32, or bf16 where `kv_bf16`) = key/value
+ * token t; rows of key and value `key_stride` / `value_stride` floats apart; a negative slot is padding and
+ * skipped. Every slot is checked against the cache before anything is written. */
 int cache_write_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
-                    float *k_cache, float *v_cache, const int64_t *slots, int64_t num_tokens, int64_t row,
-                    int64_t num_slots) {
+                    void *k_cache, void *v_cache, int64_t kv_bf16, const int64_t *slots, int64_t num_tokens,
+                    int64_t row, int64_t num_slots) {
     for (int64_t t = 0; t < num_tokens; t++)
         if (slots[t] >= num_slots) return BAD_SLOT;
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
-        memcpy(k_cache + slot * row, key + t * key_stride, sizeof(float) * (size_t)row);
-        memcpy(v_cache + slot * row, value + t * value_stride, sizeof(float) * (size_t)row);
+        if (kv_bf16) {
+            round_row((uint16_t *)k_cache + slot * row, key + t * key_stride, row);
+            round_row((uint16_t *)v_cache + slot * row, value + t * value_stride, row);
+        } else {
+            memcpy((float *)k_cache + slot * row, key + t * key_stride, sizeof(float) * (size_t)row);
+            memcpy((float *)v_cache + slot * row, value + t * value_stride, sizeof(float) * (size_t)row);
+        }
     }
     return OK;
 }
 
-int paged_decode_attention_f32(const float *q, int64_t q_seq_stride, const float *k_cache, const float *v_cache,
-                               int64_t num_blocks, int64_t block_size, const int32_t *block_tables,
+int paged_decode_attention_f32(const float *q, int64_t q_seq_stride, const void *k_cache, const void *v_cache,
+                               int64_t kv_bf16, int64_t num_blocks, int64_t block_size, const int32_t *block_tables,
                                int64_t max_blocks, const int32_t *seq_lens, float *out, int64_t num_seqs,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                                int64_t num_threads); /* paged_decode_attention_cpu.c */
 
 /* A decode layer's attention after its QKV matmul, in one call: the rotary embedding of q and k (qkv's rows, q
  * heads then k heads then v heads, `qkv_stride` floats apart) into qk [num_seqs, num_heads + num_kv_heads,
- * head_dim], the keys and values into the cache, then decode attention into out [num_seqs, num_heads,
+ * head_dim], the keys and values into the cache (fp32, or bf16 where `kv_bf16`), then decode attention into out [num_seqs, num_heads,
  * head_dim]: rotary_f32, cache_write_f32 and paged_decode_attention_f32 in that order, so the result is theirs
  * bit for bit. One call instead of three (a call after a GEMM pays for its cold code and data). Returns 0,
  * BAD_SLOT_CODE for a slot past the cache (nothing written), or the attention kernel's error code. */
 #define BAD_SLOT_CODE 4
 int decode_attention_layer_f32(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin, float *qk,
-                               float *k_cache, float *v_cache, int64_t num_blocks, int64_t block_size,
+                               void *k_cache, void *v_cache, int64_t kv_bf16, int64_t num_blocks, int64_t block_size,
                                const int64_t *slots, const int32_t *block_tables, int64_t max_blocks,
                                const int32_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,
                                int64_t num_kv_heads, int64_t head_dim, float scale, int64_t num_threads) {
     const int64_t heads = num_heads + num_kv_heads, kv_row = num_kv_heads * head_dim;
     rotary_f32(qkv, qkv_stride, cos, sin, qk, num_seqs, heads, head_dim, num_threads);
     if (cache_write_f32(qk + num_heads * head_dim, heads * head_dim, qkv + heads * head_dim, qkv_stride, k_cache,
-                        v_cache, slots, num_seqs, kv_row, num_blocks * block_size) != OK)
+                        v_cache, kv_bf16, slots, num_seqs, kv_row, num_blocks * block_size) != OK)
         return BAD_SLOT_CODE;
-    return paged_decode_attention_f32(qk, heads * head_dim, k_cache, v_cache, num_blocks, block_size, block_tables,
-                                      max_blocks, seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, scale,
-                                      num_threads);
+    return paged_decode_attention_f32(qk, heads * head_dim, k_cache, v_cache, kv_bf16, num_blocks, block_size,
+                                      block_tables, max_blocks, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                                      head_dim, scale, num_threads);
 }

@@ -2,7 +2,7 @@
 
 Each takes and gives what its torch reference in layer_ops.py does (fp32 CPU tensors only: the executor picks
 the CPU backend only there), with results within a few ulp of it; the cache write matches
-`cache_write_ref` bit for bit. Per step at 64 sequences of SmolLM2-135M (docs/performance.md) they replace
+`cache_write_ref` bit for bit, into an fp32 cache or a bf16 one (rounded as torch rounds). Per step at 64 sequences of SmolLM2-135M (docs/performance.md) they replace
 ~20 torch ops a layer.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .cache_write import check_cache_write_inputs
-from .cpu_native import check_fp32_cpu, native_library
+from .cpu_native import check_cpu_caches, check_fp32_cpu, native_library
 
 
 def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -83,19 +83,19 @@ def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
 def cache_write_cpu(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32 or bf16, contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] the same
     slot_mapping: torch.Tensor,  # [num_tokens] int64; negative: padding, skipped
 ) -> None:
-    """cache_write_ref as plain row copies; a slot past the cache raises before anything is written."""
+    """cache_write_ref as plain row copies (rounded into a bf16 cache); a slot past the cache raises before
+    anything is written."""
     check_cache_write_inputs(key, value, k_cache, v_cache, slot_mapping)
-    check_fp32_cpu(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the caches must be contiguous")
+    check_fp32_cpu(key=key, value=value)
+    _, kv_bf16 = check_cpu_caches(k_cache, v_cache)
     key, value, slots = _rows_contiguous(key), _rows_contiguous(value), slot_mapping.contiguous()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     status = native_library().cache_write_f32(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-        slots.data_ptr(), key.shape[0], key.shape[1] * key.shape[2], num_slots)
+        kv_bf16, slots.data_ptr(), key.shape[0], key.shape[1] * key.shape[2], num_slots)
     if status:
         raise ValueError(f"slot_mapping names a slot past the cache's {num_slots}")

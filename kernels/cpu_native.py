@@ -55,16 +55,17 @@ ERRORS = {  # the kernel's return codes
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {  # each function's return and argument types
     "paged_decode_attention_f32": (
-        ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32, _I64]),
+        ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32,
+                       _I64]),
     "rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _I64]),
     "add_rms_norm_f32": (None, [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _I64]),
     "rotary_f32": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]),
     "silu_and_mul_f32": (None, [_PTR, _I64, _PTR, _I64, _I64, _I64]),
-    "cache_write_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]),
+    "cache_write_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64]),
     "first_max_and_log_sum_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64]),
     "decode_attention_layer_f32": (
-        ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64,
-                       _I64, _I64, _F32, _I64]),
+        ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64,
+                       _I64, _I64, _I64, _F32, _I64]),
 }
 
 
@@ -221,13 +222,18 @@ def check_fp32_cpu(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must be an fp32 CPU tensor, got {tensor.dtype} on {tensor.device}")
 
 
-def check_fp32_cpu_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> CacheShape:
-    """A layer's caches as the C kernels read them: check_kv_cache's shape, fp32 on the CPU, contiguous."""
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' `kv_bf16` argument for each cache dtype
+
+
+def check_cpu_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[CacheShape, int]:
+    """A layer's caches as the C kernels read them: check_kv_cache's shape, fp32 or bf16 on the CPU, contiguous.
+    Their shape and the kernels' `kv_bf16` argument."""
     cache = check_kv_cache(k_cache, v_cache)
-    check_fp32_cpu(k_cache=k_cache, v_cache=v_cache)
+    if k_cache.device.type != "cpu" or k_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"the caches must be fp32 or bf16 CPU tensors, got {k_cache.dtype} on {k_cache.device}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the caches must be contiguous")
-    return cache
+    return cache, CACHE_DTYPES[k_cache.dtype]
 
 
 def check_status(status: int) -> None:
@@ -238,18 +244,19 @@ def check_status(status: int) -> None:
 
 def paged_decode_attention_cpu(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32; each row's heads contiguous
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32, contiguous
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32, contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32 or bf16, contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] the same
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     *,
     max_seq_len: int | None = None,  # unused: the kernel sizes its scratch from seq_lens itself
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] fp32
-    """Decode attention over an fp32 paged cache on the CPU; a sequence of length 0 attends to nothing (0)."""
+    """Decode attention in fp32 over a paged cache of fp32 or bf16 on the CPU (a bf16 cache's keys and values
+    widened as read); a sequence of length 0 attends to nothing (0)."""
     library = native_library()
     num_seqs, num_heads, head_dim = q.shape
-    cache = check_fp32_cpu_caches(k_cache, v_cache)
+    cache, kv_bf16 = check_cpu_caches(k_cache, v_cache)
     check_block_tables(block_tables, seq_lens, num_seqs)
     check_fp32_cpu(q=q)
     if q.stride(2) != 1 or (num_heads > 1 and q.stride(1) != head_dim):
@@ -260,7 +267,7 @@ def paged_decode_attention_cpu(
     tables, lens = block_tables.contiguous(), seq_lens.contiguous()
     out = torch.empty(num_seqs, num_heads, head_dim)
     status = library.paged_decode_attention_f32(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), cache.num_blocks, cache.block_size,
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kv_bf16, cache.num_blocks, cache.block_size,
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
         cache.num_kv_heads, head_dim, scale, torch.get_num_threads(),
     )

@@ -1,4 +1,6 @@
-/* Decode attention over a paged fp32 KV cache on the CPU: one query token per sequence.
+/* Decode attention over a paged KV cache on the CPU: one query token per sequence, in fp32 over a cache of
+ * fp32 or of bf16 (`kv_bf16`: half the bytes to read; each key and value widened to fp32 as it is loaded, which
+ * is exact, so the result is the fp32 kernel's over the widened cache, bit for bit).
  *
  * Built at first use on the machine that runs it (-O3 -march=native -fopenmp, kernels/cpu_native.py) and
  * called through ctypes with raw pointers. One OpenMP task per sequence (per sequence and KV head when
@@ -41,6 +43,24 @@ typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(siz
 static inline vec load(const float *p) { return *(const vec *)p; }
 static inline void store(float *p, vec v) { *(vec *)p = v; }
 
+/* A cache's LANES elements from element `index`, as floats: fp32 as stored, or bf16 widened (a bf16 is the high
+   half of the fp32 with the same value). `bf16` is a constant at every call, so each kernel is built twice. */
+typedef uint16_t bf16_lanes __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(sizeof(uint16_t))));
+typedef uint32_t word_lanes __attribute__((vector_size(LANES * sizeof(uint32_t))));
+static inline __attribute__((always_inline)) vec load_kv(const void *cache, int64_t index, const int bf16) {
+    if (!bf16) return load((const float *)cache + index);
+    const word_lanes words = __builtin_convertvector(*(const bf16_lanes *)((const uint16_t *)cache + index),
+                                                     word_lanes) << 16;
+    return (vec)words; /* the same bits, read as floats */
+}
+static inline __attribute__((always_inline)) float kv_at(const void *cache, int64_t index, const int bf16) {
+    if (!bf16) return ((const float *)cache)[index];
+    const uint32_t word = (uint32_t)((const uint16_t *)cache)[index] << 16;
+    float value;
+    memcpy(&value, &word, sizeof value);
+    return value;
+}
+
 /* The sum of a vector's lanes as a tree: v plus itself rotated by half, a quarter, ... (log2(LANES) adds
    deep). Summed lane by lane, in order, it was a chain of LANES dependent adds per score: the kernel's
    hottest instructions. */
@@ -66,9 +86,11 @@ static inline float sum_lanes(vec v) {
 
 enum { OK = 0, BAD_BLOCK = 1, BAD_LENGTH = 2, NO_MEMORY = 3 };
 
-static inline void prefetch_row(const float *row, int64_t num_floats) {
-    for (int64_t byte = 0; byte < num_floats * (int64_t)sizeof(float); byte += 64)
-        __builtin_prefetch((const char *)row + byte, 0, 1); /* into L2: L1 is too small to hold a task */
+/* `count` elements of `size` bytes from element `index` of a cache */
+static inline void prefetch_row(const void *cache, int64_t index, int64_t count, int64_t size) {
+    const char *row = (const char *)cache + index * size;
+    for (int64_t byte = 0; byte < count * size; byte += 64)
+        __builtin_prefetch(row + byte, 0, 1); /* into L2: L1 is too small to hold a task */
 }
 
 /* The next task's rows, prefetched a few at a time as this task's work proceeds. */
@@ -77,33 +99,33 @@ typedef struct {
     int64_t len, head_offset, work, done, fetched;
 } Ahead;
 
-static inline void prefetch_ahead(Ahead *ahead, const float *k_cache, const float *v_cache, int64_t num_blocks,
-                                  int64_t block_size, int64_t row_len, int64_t width) {
+static inline void prefetch_ahead(Ahead *ahead, const void *k_cache, const void *v_cache, int64_t num_blocks,
+                                  int64_t block_size, int64_t row_len, int64_t width, int64_t size) {
     ahead->done++;
     while (ahead->fetched < ahead->len && ahead->fetched * ahead->work < ahead->done * ahead->len) {
         const int64_t t = ahead->fetched++, block = ahead->table[t / block_size];
         if (block < 0 || block >= num_blocks) continue; /* refused when that task runs */
         const int64_t row = (block * block_size + t % block_size) * row_len + ahead->head_offset;
-        prefetch_row(k_cache + row, width);
-        prefetch_row(v_cache + row, width);
+        prefetch_row(k_cache, row, width, size);
+        prefetch_row(v_cache, row, width, size);
     }
 }
 
 /* Everything the query heads of one KV head read: that KV head's rows, and what to prefetch meanwhile. */
 typedef struct {
-    const float *k_cache, *v_cache;
-    const int64_t *rows; /* each position's row offset, at the task's first KV head */
-    int64_t len, head, width, num_blocks, block_size, row_len, head_dim;
+    const void *k_cache, *v_cache; /* fp32 or bf16 */
+    const int64_t *rows;           /* each position's row offset (in elements), at the task's first KV head */
+    int64_t len, head, width, num_blocks, block_size, row_len, head_dim, size; /* size: an element's bytes */
     int first;           /* the task's first pass: prefetch its own rows a few positions ahead */
     Ahead *ahead;
 } HeadPass;
 
 static inline void prefetch_step(const HeadPass *h, int64_t t) {
     if (h->first && t + PREFETCH_AHEAD < h->len) {
-        prefetch_row(h->k_cache + h->rows[t + PREFETCH_AHEAD], h->width);
-        prefetch_row(h->v_cache + h->rows[t + PREFETCH_AHEAD], h->width);
+        prefetch_row(h->k_cache, h->rows[t + PREFETCH_AHEAD], h->width, h->size);
+        prefetch_row(h->v_cache, h->rows[t + PREFETCH_AHEAD], h->width, h->size);
     }
-    prefetch_ahead(h->ahead, h->k_cache, h->v_cache, h->num_blocks, h->block_size, h->row_len, h->width);
+    prefetch_ahead(h->ahead, h->k_cache, h->v_cache, h->num_blocks, h->block_size, h->row_len, h->width, h->size);
 }
 
 /* At most this many query heads share one pass over their KV head's rows (GQA): each key and value vector is
@@ -114,45 +136,47 @@ static inline void prefetch_step(const HeadPass *h, int64_t t) {
    `qs` [G][head_dim]. `G` is a constant at each call (see scores_group), so the sums stay in registers. Each
    head's arithmetic is the one-head loop's: two chains (even and odd vectors), summed at the end. */
 static inline __attribute__((always_inline)) void scores_heads(const HeadPass *h, const float *qs, float *p,
-                                                               const int G) {
+                                                               const int G, const int bf16) {
     const int64_t vectors = h->head_dim / LANES;
     for (int64_t t = 0; t < h->len; t++) {
         prefetch_step(h, t);
-        const float *k = h->k_cache + h->rows[t] + h->head;
+        const int64_t k = h->rows[t] + h->head;
         vec even[MAX_GROUP], odd[MAX_GROUP];
         for (int g = 0; g < G; g++) even[g] = odd[g] = (vec){0};
         int64_t c = 0;
         for (; c + 1 < vectors; c += 2) {
-            const vec k0 = load(k + LANES * c), k1 = load(k + LANES * (c + 1));
+            const vec k0 = load_kv(h->k_cache, k + LANES * c, bf16), k1 = load_kv(h->k_cache, k + LANES * (c + 1), bf16);
             for (int g = 0; g < G; g++) {
                 even[g] += load(qs + g * h->head_dim + LANES * c) * k0;
                 odd[g] += load(qs + g * h->head_dim + LANES * (c + 1)) * k1;
             }
         }
         if (c < vectors) {
-            const vec k0 = load(k + LANES * c);
+            const vec k0 = load_kv(h->k_cache, k + LANES * c, bf16);
             for (int g = 0; g < G; g++) even[g] += load(qs + g * h->head_dim + LANES * c) * k0;
         }
         for (int g = 0; g < G; g++) p[g * h->len + t] = sum_lanes(even[g] + odd[g]);
     }
 }
 
-static inline void scores_group(const HeadPass *h, const float *qs, float *p, int G) {
+static inline __attribute__((always_inline)) void scores_group(const HeadPass *h, const float *qs, float *p, int G,
+                                                               const int bf16) {
     switch (G) {
-    case 1: scores_heads(h, qs, p, 1); break;
-    case 2: scores_heads(h, qs, p, 2); break;
-    case 3: scores_heads(h, qs, p, 3); break;
-    default: scores_heads(h, qs, p, 4); break;
+    case 1: scores_heads(h, qs, p, 1, bf16); break;
+    case 2: scores_heads(h, qs, p, 2, bf16); break;
+    case 3: scores_heads(h, qs, p, 3, bf16); break;
+    default: scores_heads(h, qs, p, 4, bf16); break;
     }
 }
 
-static inline void scores_plain(const HeadPass *h, const float *q, float scale, float *p) {
+static inline __attribute__((always_inline)) void scores_plain(const HeadPass *h, const float *q, float scale,
+                                                               float *p, const int bf16) {
     for (int64_t t = 0; t < h->len; t++) {
         prefetch_step(h, t);
-        const float *k = h->k_cache + h->rows[t] + h->head;
+        const int64_t k = h->rows[t] + h->head;
         float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < h->head_dim; d++) dot += q[d] * k[d];
+#pragma omp simd reduction(+ : dot) simdlen(LANES)
+        for (int64_t d = 0; d < h->head_dim; d++) dot += q[d] * kv_at(h->k_cache, k + d, bf16);
         p[t] = dot * scale;
     }
 }
@@ -162,14 +186,15 @@ static inline void scores_plain(const HeadPass *h, const float *q, float scale, 
    count known only at run time, GCC kept them in memory: a load, multiply-add and store per vector and position,
    each position waiting on the last's store). Each value vector is loaded once for all `G` heads. */
 static inline __attribute__((always_inline)) void values_block(const HeadPass *h, const float *p, const float *inverse,
-                                                               float *out, int64_t c, const int G, const int n) {
+                                                               float *out, int64_t c, const int G, const int n,
+                                                               const int bf16) {
     vec acc[MAX_GROUP][8];
     for (int g = 0; g < G; g++)
         for (int i = 0; i < n; i++) acc[g][i] = (vec){0};
     for (int64_t t = 0; t < h->len; t++) {
-        const float *v = h->v_cache + h->rows[t] + h->head + LANES * c;
+        const int64_t v = h->rows[t] + h->head + LANES * c;
         for (int i = 0; i < n; i++) {
-            const vec value = load(v + LANES * i);
+            const vec value = load_kv(h->v_cache, v + LANES * i, bf16);
             for (int g = 0; g < G; g++) acc[g][i] += p[g * h->len + t] * value;
         }
     }
@@ -180,29 +205,32 @@ static inline __attribute__((always_inline)) void values_block(const HeadPass *h
 /* The values of `G` heads in blocks of as many vectors as leave the sums in registers (AVX2's 16: eight sums
    for one head, four for two or three heads, two for four), then one vector at a time. */
 static inline __attribute__((always_inline)) void values_heads(const HeadPass *h, const float *p, const float *inverse,
-                                                               float *out, const int G) {
+                                                               float *out, const int G, const int bf16) {
     const int64_t vectors = h->head_dim / LANES;
     const int wide = G == 1 ? 8 : G == 4 ? 2 : 4;
     int64_t c = 0;
-    for (; c + wide <= vectors; c += wide) values_block(h, p, inverse, out, c, G, wide);
-    for (; c < vectors; c++) values_block(h, p, inverse, out, c, G, 1);
+    for (; c + wide <= vectors; c += wide) values_block(h, p, inverse, out, c, G, wide, bf16);
+    for (; c < vectors; c++) values_block(h, p, inverse, out, c, G, 1, bf16);
 }
 
-static inline void values_group(const HeadPass *h, const float *p, const float *inverse, float *out, int G) {
+static inline __attribute__((always_inline)) void values_group(const HeadPass *h, const float *p, const float *inverse,
+                                                               float *out, int G, const int bf16) {
     switch (G) {
-    case 1: values_heads(h, p, inverse, out, 1); break;
-    case 2: values_heads(h, p, inverse, out, 2); break;
-    case 3: values_heads(h, p, inverse, out, 3); break;
-    default: values_heads(h, p, inverse, out, 4); break;
+    case 1: values_heads(h, p, inverse, out, 1, bf16); break;
+    case 2: values_heads(h, p, inverse, out, 2, bf16); break;
+    case 3: values_heads(h, p, inverse, out, 3, bf16); break;
+    default: values_heads(h, p, inverse, out, 4, bf16); break;
     }
 }
 
-static inline void values_plain(const HeadPass *h, const float *p, float inverse, float *out) {
+static inline __attribute__((always_inline)) void values_plain(const HeadPass *h, const float *p, float inverse,
+                                                               float *out, const int bf16) {
     memset(out, 0, sizeof(float) * (size_t)h->head_dim);
     for (int64_t t = 0; t < h->len; t++) {
-        const float *v = h->v_cache + h->rows[t] + h->head, w = p[t];
+        const int64_t v = h->rows[t] + h->head;
+        const float w = p[t];
 #pragma omp simd
-        for (int64_t d = 0; d < h->head_dim; d++) out[d] += w * v[d];
+        for (int64_t d = 0; d < h->head_dim; d++) out[d] += w * kv_at(h->v_cache, v + d, bf16);
     }
     for (int64_t d = 0; d < h->head_dim; d++) out[d] *= inverse;
 }
@@ -220,9 +248,31 @@ static inline float softmax_in_place(float *p, int64_t len) {
     return 1.f / sum;
 }
 
+/* One pass over a KV head's rows for `G` of its query heads (`qs`, each head_dim apart): their scores (the
+   queries first scaled into `scaled` where the head dim is held in registers), softmax and values into `out`. */
+static inline __attribute__((always_inline)) void attend_pass(const HeadPass *h, const float *qs, float scale,
+                                                              float *scaled, float *scores, float *out, int G,
+                                                              int in_registers, const int bf16) {
+    float inverse[MAX_GROUP];
+    if (in_registers) {
+        for (int g = 0; g < G; g++) /* the queries, scaled once */
+            for (int64_t c = 0; c < h->head_dim; c += LANES)
+                store(scaled + g * h->head_dim + c, load(qs + g * h->head_dim + c) * scale);
+        scores_group(h, scaled, scores, G, bf16);
+    } else {
+        scores_plain(h, qs, scale, scores, bf16);
+    }
+    for (int g = 0; g < G; g++) inverse[g] = softmax_in_place(scores + g * h->len, h->len);
+    if (in_registers)
+        values_group(h, scores, inverse, out, G, bf16);
+    else
+        values_plain(h, scores, inverse[0], out, bf16);
+}
+
 int paged_decode_attention_f32(
     const float *q, int64_t q_seq_stride,       /* [num_seqs, num_heads, head_dim], each row's heads contiguous */
-    const float *k_cache, const float *v_cache, /* [num_blocks, block_size, num_kv_heads, head_dim] contiguous */
+    const void *k_cache, const void *v_cache, /* [num_blocks, block_size, num_kv_heads, head_dim] contiguous */
+    int64_t kv_bf16,                          /* the caches' elements: 0 fp32, 1 bf16 */
     int64_t num_blocks, int64_t block_size,
     const int32_t *block_tables, int64_t max_blocks, /* [num_seqs, max_blocks] contiguous */
     const int32_t *seq_lens,                         /* [num_seqs] */
@@ -294,21 +344,11 @@ int paged_decode_attention_f32(
                 const int64_t left_in_group = group - hq % group;
                 const int G = in_registers ? (int)(left_in_group < MAX_GROUP ? left_in_group : MAX_GROUP) : 1;
                 const HeadPass h = {k_cache, v_cache, rows, len, (hq / group) * head_dim, width, num_blocks,
-                                    block_size, row_len, head_dim, hq == 0, &ahead};
-                float inverse[MAX_GROUP];
-                if (in_registers) {
-                    for (int g = 0; g < G; g++) /* the queries, scaled once */
-                        for (int64_t c = 0; c < head_dim; c += LANES)
-                            store(scaled + g * head_dim + c, load(qs + (hq + g) * head_dim + c) * scale);
-                    scores_group(&h, scaled, scores, G);
-                } else {
-                    scores_plain(&h, qs + hq * head_dim, scale, scores);
-                }
-                for (int g = 0; g < G; g++) inverse[g] = softmax_in_place(scores + g * len, len);
-                if (in_registers)
-                    values_group(&h, scores, inverse, o + hq * head_dim, G);
+                                    block_size, row_len, head_dim, kv_bf16 ? 2 : 4, hq == 0, &ahead};
+                if (kv_bf16)
+                    attend_pass(&h, qs + hq * head_dim, scale, scaled, scores, o + hq * head_dim, G, in_registers, 1);
                 else
-                    values_plain(&h, scores, inverse[0], o + hq * head_dim);
+                    attend_pass(&h, qs + hq * head_dim, scale, scaled, scores, o + hq * head_dim, G, in_registers, 0);
                 hq += G;
             }
         }

@@ -136,7 +136,7 @@ def _check_prefill_inputs(
     num_seqs = seq_lens.shape[0]
     check_block_tables(block_tables, seq_lens, num_seqs)
     assert q.dtype in ATTENTION_DTYPES, f"unsupported dtype {q.dtype}"
-    assert k_cache.dtype == q.dtype, f"cache dtype {k_cache.dtype} != q dtype {q.dtype}"
+    assert k_cache.dtype in ATTENTION_DTYPES, f"unsupported cache dtype {k_cache.dtype}"
     assert q.stride(-1) == 1, "q must be contiguous along head_dim"
     assert head_dim == cache.head_dim, f"q head_dim {head_dim} != cache head_dim {cache.head_dim}"
     assert num_heads % cache.num_kv_heads == 0, f"{num_heads} heads not divisible by {cache.num_kv_heads}"
@@ -168,6 +168,7 @@ def paged_prefill_attention(
     `q` past `cu_seqlens_q[-1]` (padding) are left unwritten in the output.
     """
     group_size = _check_prefill_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    assert k_cache.dtype == q.dtype, f"cache dtype {k_cache.dtype} != q dtype {q.dtype}"  # the reference widens
     out = torch.empty_like(q)
     num_seqs = seq_lens.shape[0]
     if max_query_len is None:

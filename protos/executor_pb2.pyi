@@ -316,12 +316,13 @@ class InfoResponse(_message.Message):
     KERNEL_BACKEND_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     KV_LAYOUT_FIELD_NUMBER: _builtins.int
+    KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """the name it was started with"""
     model_digest: _builtins.str
     """identity of the weights, for the prefix-cache namespace"""
     dtype: _builtins.str
-    """of weights and KV cache"""
+    """of the weights (and of the KV cache, unless kv_cache_dtype says otherwise)"""
     device: _builtins.str
     vocab_size: _builtins.int
     max_model_len: _builtins.int
@@ -334,6 +335,8 @@ class InfoResponse(_message.Message):
     """of the last Reset (0: none since it started)"""
     kv_layout: _builtins.str
     """"paged", "virtual" or "static": only paged shares KV between sequences"""
+    kv_cache_dtype: _builtins.str
+    """of the KV cache, where narrower than the weights' (empty: dtype)"""
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -352,10 +355,11 @@ class InfoResponse(_message.Message):
         kernel_backend: _builtins.str = ...,
         epoch: _builtins.int = ...,
         kv_layout: _builtins.str = ...,
+        kv_cache_dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "epoch", b"epoch", "kernel_backend", b"kernel_backend", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model", b"model", "model_digest", b"model_digest", "num_blocks", b"num_blocks", "num_cpu_blocks", b"num_cpu_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "epoch", b"epoch", "kernel_backend", b"kernel_backend", "kv_cache_dtype", b"kv_cache_dtype", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model", b"model", "model_digest", b"model_digest", "num_blocks", b"num_blocks", "num_cpu_blocks", b"num_cpu_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -130,4 +130,4 @@ class RemoteExecutor:
 def _info(i: pb.InfoResponse) -> ExecutorInfo:
     return ExecutorInfo(i.model, i.model_digest, i.dtype, i.device, i.vocab_size, i.max_model_len, i.block_size,
                         i.num_blocks, i.num_cpu_blocks, tuple(i.eos_token_ids), i.kernel_backend, i.epoch,
-                        i.kv_layout or "paged")
+                        i.kv_layout or "paged", i.kv_cache_dtype)

@@ -22,7 +22,7 @@ from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .model.loader import load_model
 from .model.registry import resolve_model
-from .options import DTYPE_NAMES, KERNEL_BACKENDS, KV_LAYOUTS, ExecutorConfig, MiB
+from .options import DTYPE_NAMES, KERNEL_BACKENDS, KV_CACHE_DTYPES, KV_LAYOUTS, ExecutorConfig, MiB
 from .runner import ModelRunner, kv_bytes_per_block
 from .step_types import GREEDY, ExecutorInfo, SequenceInput, StepInput
 from .virtual_kv import SequenceKV, StaticKV, VirtualKV, os_page_size, tokens_per_page, transparent_hugepages
@@ -40,6 +40,7 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:
         torch.set_num_threads(config.num_threads)
     dtype = DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     backend = get_backend(check_backend(config.kernel_backend, device, dtype) or backend_name(device, dtype))
+    kv_dtype = kv_cache_dtype(config, dtype, backend.name)
     source = resolve_model(config.model)
     model, model_config = load_model(source, dtype, device, backend)
     released = model.release_plain_weights()  # served weights never change: one copy, the one the backend reads
@@ -49,8 +50,8 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                         model_config.max_position_embeddings)
     page_size = kv_page_size(device) if config.kv_layout == "virtual" else 0
-    block_size = check_kv_layout(config, model_config, dtype, max_model_len, page_size)
-    per_block = kv_bytes_per_block(model_config, block_size, dtype)
+    block_size = check_kv_layout(config, model_config, kv_dtype, max_model_len, page_size)
+    per_block = kv_bytes_per_block(model_config, block_size, kv_dtype)
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     elif device.type == "cuda":
@@ -58,13 +59,14 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:
     else:
         num_blocks = config.kv_cache_bytes // per_block
     num_cpu_blocks = config.cpu_swap_bytes // per_block
-    sequence_kv = build_sequence_kv(config.kv_layout, model_config, dtype, device, block_size, num_blocks,
+    sequence_kv = build_sequence_kv(config.kv_layout, model_config, kv_dtype, device, block_size, num_blocks,
                                     max_model_len, page_size)
     runner = ModelRunner(model, model_config, backend, block_size, num_blocks, num_cpu_blocks, max_model_len,
-                         sequence_kv)
+                         sequence_kv, kv_dtype)
     warm_up(runner)
-    log.info("%s on %s (%s), %s KV layout: %d blocks of %d tokens (%.1f MiB), %d CPU swap blocks", source.name,
-             device, dtype, config.kv_layout, num_blocks, block_size, num_blocks * per_block / MiB, num_cpu_blocks)
+    log.info("%s on %s (%s), %s KV layout in %s: %d blocks of %d tokens (%.1f MiB), %d CPU swap blocks",
+             source.name, device, dtype, config.kv_layout, kv_dtype, num_blocks, block_size,
+             num_blocks * per_block / MiB, num_cpu_blocks)
     if config.kv_layout == "virtual" and device.type == "cpu":
         log.info("virtual KV: %d-byte pages, transparent huge pages %s", page_size, transparent_hugepages())
     info = ExecutorInfo(
@@ -72,8 +74,26 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:
         vocab_size=model_config.vocab_size, max_model_len=max_model_len, block_size=block_size,
         num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, eos_token_ids=tuple(model_config.eos_token_ids),
         kernel_backend=backend.name, kv_layout=config.kv_layout,
+        kv_cache_dtype="" if kv_dtype == dtype else str(kv_dtype).removeprefix("torch."),
     )
     return runner, info
+
+
+def kv_cache_dtype(config: ExecutorConfig, dtype: torch.dtype, backend: BackendName) -> torch.dtype:
+    """The KV cache's dtype (`--kv-cache-dtype`); ValueError naming the fix where it cannot run. A bf16 cache
+    under fp32 weights is read by the CPU's kernels (widened as loaded) and the torch references, over blocks."""
+    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: {config.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    if config.kv_cache_dtype == "auto" or DTYPES[config.kv_cache_dtype] == dtype:
+        return dtype
+    if dtype != torch.float32:
+        raise ValueError(f"a {config.kv_cache_dtype} KV cache is narrower than float32 weights only, not {dtype}")
+    if backend == "triton":
+        raise ValueError(f"a {config.kv_cache_dtype} KV cache under float32 weights runs on the cpu or torch kernel "
+                         "backend, not triton: use --dtype bfloat16 on a GPU")
+    if config.kv_layout != "paged":
+        raise ValueError(f"a {config.kv_cache_dtype} KV cache needs the paged KV layout, not {config.kv_layout}")
+    return DTYPES[config.kv_cache_dtype]
 
 
 def check_backend(name: str | None, device: torch.device, dtype: torch.dtype) -> BackendName | None:
@@ -114,7 +134,7 @@ def kv_page_size(device: torch.device) -> int:
 
 
 def check_kv_layout(
-    config: ExecutorConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int, page_size: int
+    config: ExecutorConfig, model_config: ModelConfig, kv_dtype: torch.dtype, max_model_len: int, page_size: int
 ) -> int:
     """The block size the layout uses; ValueError naming the fix when the configuration cannot work."""
     if config.kv_layout not in KV_LAYOUTS:
@@ -125,7 +145,7 @@ def check_kv_layout(
         raise ValueError(f"the {config.kv_layout} KV layout has no CPU swap pool: drop --cpu-swap-mib")
     if config.kv_layout == "static":
         return max_model_len  # one block is one sequence's whole slot
-    token_bytes = model_config.num_kv_heads * model_config.head_dim * torch.empty((), dtype=dtype).element_size()
+    token_bytes = model_config.num_kv_heads * model_config.head_dim * torch.empty((), dtype=kv_dtype).element_size()
     unit = tokens_per_page(token_bytes, page_size)
     if config.block_size % unit:
         raise ValueError(
@@ -136,7 +156,7 @@ def check_kv_layout(
 
 
 def build_sequence_kv(
-    kv_layout: str, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int,
+    kv_layout: str, model_config: ModelConfig, kv_dtype: torch.dtype, device: torch.device, block_size: int,
     num_blocks: int, max_model_len: int, page_size: int,
 ) -> SequenceKV | None:
     """None for the paged layout; else where each sequence's contiguous K/V lives."""
@@ -145,8 +165,8 @@ def build_sequence_kv(
     capacity = -(-max_model_len // block_size) * block_size  # whole pages per slab
     shape = (model_config.num_layers, 2, capacity, model_config.num_kv_heads, model_config.head_dim)
     if kv_layout == "static":
-        return StaticKV(num_blocks, shape, dtype, device)
-    return VirtualKV(shape, dtype, device, page_size)
+        return StaticKV(num_blocks, shape, kv_dtype, device)
+    return VirtualKV(shape, kv_dtype, device, page_size)
 
 
 def return_freed_memory() -> None:

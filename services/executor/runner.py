@@ -54,8 +54,10 @@ class ModelRunner:
         num_cpu_blocks: int,
         max_model_len: int,
         sequence_kv: SequenceKV | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
-        """`sequence_kv`: a per-sequence layout (engine_config.build_sequence_kv) instead of the paged pool."""
+        """`sequence_kv`: a per-sequence layout (engine_config.build_sequence_kv) instead of the paged pool.
+        `kv_dtype`: the cache's, where narrower than the model's (engine_config.kv_cache_dtype)."""
         if num_blocks <= 0:
             raise ValueError(f"the KV budget holds {num_blocks} blocks of {block_size} tokens: too small")
         if sequence_kv is not None and num_cpu_blocks:
@@ -63,13 +65,14 @@ class ModelRunner:
         param = model.norm.weight  # never released (release_plain_weights): the model's device and dtype
         self.model, self.config, self.backend = model, config, backend
         self.device, self.dtype = param.device, param.dtype
+        self.kv_dtype = kv_dtype or self.dtype
         self.block_size, self.num_blocks, self.num_cpu_blocks = block_size, num_blocks, num_cpu_blocks
         self.max_model_len = max_model_len
         self.sequence_kv = sequence_kv
         shape = (num_blocks if sequence_kv is None else 0, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(config.num_layers)
         ]
         self._layer_caches: list[KVCache] = (
@@ -78,8 +81,8 @@ class ModelRunner:
         cpu_shape = (num_cpu_blocks, *shape[1:])
         pin = self.device.type == "cuda"
         self.cpu_caches = [
-            (torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin),
-             torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin))
+            (torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin),
+             torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin))
             for _ in range(config.num_layers)
         ]
         # Overlapped steps: the tokens the last step sampled, the next step's inputs where it says LAST_SAMPLED.

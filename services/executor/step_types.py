@@ -252,3 +252,4 @@ class ExecutorInfo:
     kernel_backend: str
     epoch: int = 0  # of the frontend's last Reset (a remote executor's)
     kv_layout: str = "paged"  # "paged", "virtual" or "static" (options.KV_LAYOUTS); only paged shares KV
+    kv_cache_dtype: str = ""  # the KV cache's dtype where it is not `dtype` (bfloat16 under fp32 weights)

@@ -74,15 +74,16 @@ class LLM:
         threads: int = 0,
         kv_layout: Literal["paged", "virtual", "static"] = "paged",
         kernel_backend: Literal["triton", "cpu", "torch"] | None = None,
+        kv_cache_dtype: Literal["auto", "bfloat16"] = "auto",
     ) -> None:
         """`threads`: the model's torch CPU threads (0: torch's default, all physical cores). `kv_layout`: paged
         blocks, or a region per sequence (virtual; static) that shares nothing (docs/layouts.md). `kernel_backend`:
         as the executor's `--kernel-backend` (default: triton on a GPU, else the C decode attention where it
-        builds)."""
+        builds). `kv_cache_dtype`: as `--kv-cache-dtype` (bfloat16: a bf16 cache under fp32 weights on the CPU)."""
         config = ExecutorConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, kv_cache_bytes=kv_cache_mib << 20,
             num_blocks=num_blocks, cpu_swap_bytes=cpu_swap_mib << 20, max_model_len=max_model_len,
-            num_threads=threads, kv_layout=kv_layout, kernel_backend=kernel_backend,
+            num_threads=threads, kv_layout=kv_layout, kernel_backend=kernel_backend, kv_cache_dtype=kv_cache_dtype,
         )
         self.executor_process: ServiceProcess | None = None
         self._close: Callable[[], object] = lambda: None

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_model import EOS, VOCAB
 
 from pagedserve.services.block_manager.manager import BlockManager
@@ -45,11 +46,12 @@ def runners() -> dict[tuple[int, int], object]:
     return {}  # one model load per cache shape, for the whole session
 
 
-def fresh_runner(loaded: ModelRunner, num_cpu_blocks: int) -> ModelRunner:
-    """A runner of its own over the loaded model's weights, its KV caches filled with NaN: a read of a slot
-    this engine never wrote shows (it cannot read back what an earlier engine, say a reference run, left)."""
+def fresh_runner(loaded: ModelRunner, num_cpu_blocks: int, kv_dtype: torch.dtype | None = None) -> ModelRunner:
+    """A runner of its own over the loaded model's weights, its KV caches (in `kv_dtype`, default the model's)
+    filled with NaN: a read of a slot this engine never wrote shows (it cannot read back what an earlier engine,
+    say a reference run, left)."""
     runner = ModelRunner(loaded.model, loaded.config, loaded.backend, loaded.block_size, loaded.num_blocks,
-                         num_cpu_blocks, loaded.max_model_len)
+                         num_cpu_blocks, loaded.max_model_len, kv_dtype=kv_dtype)
     for caches in (runner.kv_caches, runner.cpu_caches):
         for k, v in caches:
             k.fill_(float("nan"))
@@ -67,7 +69,8 @@ def overlap(request: pytest.FixtureRequest) -> bool:
 def make_engine(tiny_llama_dir: Path, runners: dict[tuple[int, int], object], overlap: bool) -> EngineFactory:
     def make(num_blocks: int = 256, block_size: int = 4, cpu_blocks: int = 0, max_num_seqs: int = 16,
              max_num_batched_tokens: int = 64, preemption_mode: str = "recompute",
-             local_decodes: bool = True, spare_lookahead: int = 8) -> tuple[Engine, BlockManager]:
+             local_decodes: bool = True, spare_lookahead: int = 8,
+             kv_dtype: torch.dtype | None = None) -> tuple[Engine, BlockManager]:
         key = (num_blocks, block_size)
         if key not in runners:  # one model load per cache shape
             runners[key] = build_runner(ExecutorConfig(
@@ -75,7 +78,7 @@ def make_engine(tiny_llama_dir: Path, runners: dict[tuple[int, int], object], ov
                 dtype="float32",
             ))
         loaded, info = runners[key]  # type: ignore[misc]
-        runner = fresh_runner(loaded, cpu_blocks)
+        runner = fresh_runner(loaded, cpu_blocks, kv_dtype)
         manager = BlockManager(num_blocks, block_size, num_cpu_blocks=cpu_blocks)
         scheduler = Scheduler(
             SchedulerConfig(block_size, info.max_model_len, max_num_seqs, max_num_batched_tokens,

@@ -106,10 +106,14 @@ def test_spare_blocks_let_most_steps_make_no_block_manager_call(make_engine: Eng
     assert_no_leak(engine, manager)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32_kv", "bf16_kv"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_under_a_tiny_budget_keeps_greedy_output(make_engine: EngineFactory, mode: str) -> None:
-    reference, _ = run(make_engine()[0], PROMPTS, GREEDY)
-    engine, manager = make_engine(num_blocks=24, cpu_blocks=64, preemption_mode=mode)
+def test_preemption_under_a_tiny_budget_keeps_greedy_output(make_engine: EngineFactory, mode: str,
+                                                            kv_dtype: torch.dtype) -> None:
+    reference, _ = run(make_engine(kv_dtype=kv_dtype)[0], PROMPTS, GREEDY)
+    engine, manager = make_engine(num_blocks=24, cpu_blocks=64, preemption_mode=mode, kv_dtype=kv_dtype)
+    runner = engine.executor.runner  # type: ignore[attr-defined]
+    assert runner.kv_caches[0][0].dtype == runner.cpu_caches[0][0].dtype == kv_dtype
     requests, _ = run(engine, PROMPTS, GREEDY)
     assert outputs(requests) == outputs(reference)
     assert engine.scheduler.num_preemptions[mode] > 0
@@ -134,8 +138,9 @@ def test_a_one_token_request_leaves_its_prompt_in_the_prefix_cache(make_engine: 
     assert_no_leak(engine, manager)
 
 
-def test_prefix_hit_output_equals_cold_output(make_engine: EngineFactory) -> None:
-    engine, manager = make_engine()
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32_kv", "bf16_kv"])
+def test_prefix_hit_output_equals_cold_output(make_engine: EngineFactory, kv_dtype: torch.dtype) -> None:
+    engine, manager = make_engine(kv_dtype=kv_dtype)
     (cold,), _ = run(engine, [PROMPTS[3]], GREEDY)
     (warm,), _ = run(engine, [PROMPTS[3]], GREEDY)
     assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 28  # 7 full blocks of 4, last token left

@@ -59,9 +59,11 @@ def random_prompts(lengths: Sequence[int], vocab_size: int, seed: int = 0) -> li
 
 
 class PagedRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int = 0) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int = 0,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        """`kv_dtype`: the caches' (default: the model's)."""
         config = model.config
-        dtype = model.embed_tokens.weight.dtype
+        dtype = kv_dtype or model.embed_tokens.weight.dtype
         self.model = model
         self.block_size = block_size
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)

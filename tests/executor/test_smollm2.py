@@ -39,6 +39,10 @@ LOGIT_ATOL = 1e-4  # a prompt alone vs transformers: measured 0
 RAGGED_ATOL = 2e-4  # a prompt inside a ragged batch vs alone: see the module docstring
 EXACT_ATOL = 1e-5  # transformers' attention: measured 0
 BACKEND_ATOL = 4e-4  # the cpu backend's GEMMs (oneDNN's, packed) sum in another order than MKL's: measured 1.3e-4
+# A bf16 cache against the fp32 one: measured up to 0.42 (|logits| up to ~35). Rounding is discontinuous, so
+# the last bits of two fp32 paths flip some roundings, and this model amplifies each flip: two bf16 runs
+# (cpu and torch backends, or ours and transformers with its keys and values rounded) differ by 0.005-0.13.
+BF16_KV_ATOL = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +167,28 @@ def test_greedy_continuations_match_generate_with_native_cpu_kernels(
         model.use_backend(torch_backend)
     for prompt, ours in zip(prompts, outputs, strict=True):
         assert_same_continuation(ours, hf_greedy(hf_model, prompt, 32), model.config.eos_token_ids)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_a_bf16_cache_holds_the_fp32_keys_and_values_rounded(model: LlamaForCausalLM, prompts: list[list[int]],
+                                                            backend: str) -> None:
+    """The KV cache in bf16 under fp32 weights (`--kv-cache-dtype bfloat16`), over a prefill and decode steps.
+    Layer 0's keys and values depend on the tokens alone, so its bf16 cache is the fp32 run's rounded, to the
+    bit (the cache write rounds, nothing else does); the logits stay near the fp32 cache's."""
+    previous = model.use_backend(get_backend(backend))
+    try:
+        runs = []
+        for kv_dtype in (torch.float32, torch.bfloat16):
+            runner = PagedRunner(model, num_blocks=64, block_size=16, kv_dtype=kv_dtype)
+            logits = [runner.step([(0, prompts[0]), (1, prompts[3])])[0]]
+            for token in (28, 253, 9):  # decode steps (on the cpu backend: the C decode forward)
+                logits.append(torch.cat(runner.step([(0, [token]), (1, [token])])))
+            runs.append((runner, torch.cat(logits)))
+    finally:
+        model.use_backend(previous)
+    (wide, wide_logits), (narrow, narrow_logits) = runs
+    assert narrow.kv_caches[0][0].dtype == torch.bfloat16
+    for narrow_cache, wide_cache in zip(narrow.kv_caches[0], wide.kv_caches[0], strict=True):
+        assert torch.equal(narrow_cache.view(torch.int16), wide_cache.bfloat16().view(torch.int16))
+    diff = (narrow_logits - wide_logits).abs().max().item()
+    assert 0 < diff < BF16_KV_ATOL, f"max |logit diff| {diff:.2e} between a bf16 and an fp32 cache"

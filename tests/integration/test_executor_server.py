@@ -251,6 +251,53 @@ def test_swap_round_trip_preserves_the_cache(stub: OneStepStub) -> None:
     assert after_swap.token_id == in_place.token_id and after_swap.logprob == pytest.approx(in_place.logprob)
 
 
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """As the process below runs (`--threads 1`); build_runner sets it for the whole of this process."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_an_executor_with_a_bf16_cache_says_so_and_steps_as_one_in_process(tiny_llama_dir: Path) -> None:
+    """`--kv-cache-dtype bfloat16` reaches the process: Info reports it (weights still float32), and a prefill,
+    decodes and a swap round trip sample what the same configuration samples in this process."""
+    from pagedserve.services.executor.engine_config import build_runner
+    from pagedserve.services.executor.options import ExecutorConfig
+
+    flags = ["--model", str(tiny_llama_dir), "--num-blocks", "32", "--block-size", str(BLOCK), "--device", "cpu",
+             "--cpu-swap-mib", "1", "--kv-cache-dtype", "bfloat16", "--threads", "1"]
+    local, local_info = build_runner(ExecutorConfig.from_args(_executor_args(flags)))
+    prompt, table, moved_to = [5, 17, 42, 8, 9, 60], [7, 3, 11], [20, 21, 22]
+    with running_service(["executor", *flags]) as service, grpc.insecure_channel(service.address) as channel:
+        remote = OneStepStub(pb_grpc.ExecutorStub(channel))
+        info = remote.Info(pb.InfoRequest())
+        assert (info.dtype, info.kv_cache_dtype, info.num_blocks) == ("float32", "bfloat16", 32)
+        assert info.num_cpu_blocks == local_info.num_cpu_blocks > 0
+        ours, theirs = [], []
+        for position in (0, 6, 7, 8, 9, 10):
+            tokens_in = prompt if position == 0 else [ours[-1].token_id]
+            if position == 10:  # the sequence's blocks out to the swap pool and back in elsewhere
+                remote.Execute(pb.ExecuteRequest(swap_out=[pb.BlockCopy(src=b, dst=i) for i, b in enumerate(table)]))
+                remote.Execute(pb.ExecuteRequest(swap_in=[pb.BlockCopy(src=i, dst=b) for i, b in enumerate(moved_to)]))
+            remote_table = moved_to if position == 10 else table
+            ours.append(tokens(remote.Execute(step(seq_step(1, tokens_in, position, remote_table))))[0])
+            theirs.append(local.execute(StepInput([seq_step(1, tokens_in, position, table)]))[0])
+    assert [t.token_id for t in ours] == [t.token_id for t in theirs]
+    assert [t.logprob for t in ours] == pytest.approx([t.logprob for t in theirs], abs=1e-5)
+
+
+def _executor_args(flags: list[str]) -> object:
+    import argparse
+
+    from pagedserve.services.executor.options import add_executor_arguments
+
+    parser = argparse.ArgumentParser()
+    add_executor_arguments(parser)
+    return parser.parse_args(flags)
+
+
 def test_a_stopping_executor_ends_an_open_stream_unavailable(tiny_llama_dir: Path) -> None:
     """The frontend keeps its step stream open for as long as the executor lives: at SIGTERM the stream ends
     UNAVAILABLE (a lost sidecar, to the frontend) and the process exits at once, not after the stop's grace."""

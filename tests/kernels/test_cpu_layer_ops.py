@@ -148,6 +148,27 @@ def test_cache_write_equals_the_reference_bit_for_bit() -> None:
     assert torch.equal(ours[0].view(-1, 3, 8)[17], key[2])
 
 
+def test_cache_write_into_a_bf16_cache_rounds_as_torch_does() -> None:
+    # ties to even both ways, the largest values that round to bf16's maximum and to infinity, infinities,
+    # NaN (any NaN is NaN after), denormals and signed zeros; then ordinary keys
+    specials = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.3961e38, 3.3962e38, float("inf"),
+                             float("-inf"), float("nan"), 1e-40, -0.0, 0.0, 2**-133], dtype=torch.float32)
+    key = torch.randn(6, 3, 8) * 50
+    key.view(-1)[: specials.numel()] = specials
+    value = torch.randn(6, 3, 8)
+    slots = torch.tensor([3, -1, 17, 0, 23, 8])
+    ours = tuple(cache.bfloat16() for cache in _caches())
+    ref = (ours[0].clone(), ours[1].clone())
+    cache_write_cpu(key, value, *ours, slots)
+    cache_write_ref(key, value, *ref, slots)
+    nan = ours[0].isnan()
+    assert torch.equal(nan, ref[0].isnan()) and bool(nan.any())  # the NaN stays NaN
+    assert torch.equal(ours[0].masked_fill(nan, 0), ref[0].masked_fill(nan, 0)) and torch.equal(ours[1], ref[1])
+    assert torch.equal(ours[0].view(-1, 3, 8)[17].float(), key[2].bfloat16().float())
+    assert ours[0].view(-1)[3 * 24 : 3 * 24 + 5].tolist() == [1.0, 1 + 2**-6, -1.0, 3.3895313892515355e38,
+                                                               float("inf")]
+
+
 def test_cache_write_past_the_cache_writes_nothing() -> None:
     k_cache, v_cache = _caches()
     before = (k_cache.clone(), v_cache.clone())

@@ -99,6 +99,24 @@ def test_matches_dense_attention(group: int, head_dim: int, block_size: int, seq
     torch.testing.assert_close(out, reference, atol=2e-6 * max(1, head_dim // 64), rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("group", "head_dim", "seq_lens"),
+    [(3, 64, [80, 3, 0, 33]), (7, 64, [50, 18]), (1, 48, [23, 5]), (2, 20, [30, 7]), (1, 320, [20, 3])],
+)
+def test_a_bf16_cache_gives_the_fp32_result_over_its_values_widened(group: int, head_dim: int,
+                                                                    seq_lens: list[int]) -> None:
+    # bf16 -> fp32 is exact, so reading a bf16 cache is the fp32 kernel over the widened cache, to the bit: in
+    # registers (64, 48) and in the plain loops (20; 320, wider than the registers)
+    gen = torch.Generator().manual_seed(head_dim + group)
+    kv = make_paged_kv(seq_lens, 3, head_dim, 16, torch.bfloat16, generator=gen)
+    k_cache, v_cache, tables, lens = kv.k_cache.cpu(), kv.v_cache.cpu(), kv.block_tables.cpu(), kv.seq_lens.cpu()
+    q = strided_queries(len(seq_lens), 3 * group, head_dim, torch.float32, gen).cpu()
+    narrow = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.3)
+    assert torch.equal(narrow, paged_decode_attention_cpu(q, k_cache.float(), v_cache.float(), tables, lens, 0.3))
+    reference = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.3)  # widens as it gathers
+    torch.testing.assert_close(narrow, reference, atol=2e-6 * max(1, head_dim // 64), rtol=1e-5)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("num_seqs", [37, 2])  # 2: fewer sequences than threads, a task per (sequence, KV head)
 def test_any_thread_count_gives_the_same_bits(threads: int, num_seqs: int) -> None:
@@ -149,8 +167,8 @@ def test_inputs_it_cannot_read_are_refused() -> None:
     q, k_cache, v_cache, tables, lens = small_case()
     with pytest.raises(ValueError, match="fp32"):
         paged_decode_attention_cpu(q.half(), k_cache, v_cache, tables, lens, 1.0)
-    with pytest.raises(ValueError, match="fp32"):
-        paged_decode_attention_cpu(q, k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 1.0)
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        paged_decode_attention_cpu(q, k_cache.half(), v_cache.half(), tables, lens, 1.0)
     with pytest.raises(ValueError, match="contiguous"):  # K and V interleaved in one tensor
         paged_decode_attention_cpu(q, k_cache[::2], v_cache[::2], tables, lens, 1.0)
     with pytest.raises(ValueError, match="heads must be contiguous"):

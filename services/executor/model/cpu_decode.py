@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ....kernels import KernelBackend
 from ....kernels._common import check_block_tables
 from ....kernels.backend import CPU_BACKEND
-from ....kernels.cpu_native import check_fp32_cpu_caches, check_status, native_library
+from ....kernels.cpu_native import check_cpu_caches, check_status, native_library
 from ....kernels.linear_ops import linear_packed
 from ..attention import AttentionMetadata
 
@@ -54,11 +54,16 @@ def decode_forward(
     check_block_tables(tables, lens, n)
     if cos.shape != (n, 1, head_dim // 2) or slots.shape != (n,) or slots.dtype != torch.int64:
         raise ValueError(f"rope tables {tuple(cos.shape)} and slots {tuple(slots.shape)} do not fit {n} decodes")
+    kv_dtypes = set()
     for k_cache, v_cache in kv_caches:
-        cache = check_fp32_cpu_caches(k_cache, v_cache)
+        cache, kv_bf16 = check_cpu_caches(k_cache, v_cache)
+        kv_dtypes.add(kv_bf16)
         if (cache.num_kv_heads, cache.head_dim) != (kv_heads, head_dim):
             raise ValueError(f"a layer's cache {tuple(k_cache.shape)} does not hold the model's {kv_heads} KV heads "
                              f"of {head_dim}")
+    if len(kv_dtypes) != 1:
+        raise ValueError("the layers' caches must all have one dtype")
+    (kv_bf16,) = kv_dtypes
     num_blocks, block_size = kv_caches[0][0].shape[:2]
     # one buffer per kind, reused by every layer: each is read by the GEMM or kernel right after it is written
     normed = torch.empty(n, hidden)
@@ -85,7 +90,7 @@ def decode_forward(
                          threads)
         qkv = matmul(normed, attention.qkv_proj)
         check_status(decode_attention(qkv.data_ptr(), qkv_width, *rope_args, k_cache.data_ptr(), v_cache.data_ptr(),
-                                      num_blocks, block_size, *batch_args))
+                                      kv_bf16, num_blocks, block_size, *batch_args))
         out = matmul(attended, attention.o_proj)
         norm = layer.post_attention_layernorm
         add_rms_norm(x_ptr, out.data_ptr(), hidden, norm.weight.data_ptr(), normed_ptr, n, hidden, norm.eps, threads)
