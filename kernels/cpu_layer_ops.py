@@ -1,9 +1,9 @@
 """The CPU backend's per-token layer ops in C (`cpu_layer_ops.c`): checked here, then one pass each.
 
 Each takes and gives what its torch reference in layer_ops.py does (fp32 CPU tensors only: the executor picks
-the CPU backend only there), with results within a few ulp of it; the cache write matches
-`cache_write_ref` bit for bit, into an fp32 cache or a bf16 one (rounded as torch rounds). Per step at 64 sequences of SmolLM2-135M (docs/performance.md) they replace
-~20 torch ops a layer.
+the CPU backend only there), with results within a few ulp of it; the cache write matches `cache_write_ref`
+bit for bit, into an fp32 cache or a bf16 one (rounded as torch rounds). Per step at 64 sequences of
+SmolLM2-135M (docs/performance.md) they replace ~20 torch ops a layer.
 """
 
 from __future__ import annotations

@@ -155,7 +155,8 @@ def _executor(spec: Mapping[str, Any], mounts: list[Manifest]) -> Manifest:
     args = ["executor", "--listen", EXECUTOR_SOCKET, "--model", spec["model"],
             "--block-size", str(cache.get("blockSize", 16)), "--kv-cache-mib", str(cache.get("kvCacheMiB", 512)),
             "--gpu-memory-utilization", str(cache.get("gpuMemoryUtilization", 0.9)),
-            "--cpu-swap-mib", str(cache.get("cpuSwapMiB", 0))]
+            "--cpu-swap-mib", str(cache.get("cpuSwapMiB", 0)),
+            "--kv-cache-dtype", str(cache.get("kvCacheDtype", "auto"))]
     for flag, value in (("--num-blocks", cache.get("numBlocks")), ("--max-model-len", cache.get("maxModelLen")),
                         ("--dtype", spec.get("dtype"))):
         if value is not None:

@@ -21,6 +21,7 @@ def test_a_bf16_cache_holds_twice_the_blocks_of_the_same_budget(tiny_llama_dir: 
                                                cpu_swap_bytes=MiB, kv_cache_dtype=name))
              for name in ("auto", "bfloat16")}
     (wide, wide_info), (narrow, narrow_info) = built["auto"], built["bfloat16"]
+    assert {t.dtype for layer in wide.kv_caches for t in layer} == {torch.float32}
     assert (wide_info.dtype, wide_info.kv_cache_dtype) == ("float32", "")
     assert (narrow_info.dtype, narrow_info.kv_cache_dtype) == ("float32", "bfloat16")
     assert narrow_info.num_blocks == 2 * wide_info.num_blocks > 0

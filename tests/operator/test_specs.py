@@ -20,7 +20,7 @@ from pagedserve.operator.specs import (
 CRDS = Path(__file__).resolve().parents[2] / "charts" / "pagedserve" / "crds"
 SPEC: dict[str, Any] = {
     "model": "/models/smollm2", "modelVolume": {"mountPath": "/models", "hostPath": {"path": "/srv/weights"}},
-    "gpusPerPod": 2, "cache": {"blockSize": 32, "numBlocks": 1000, "cpuSwapMiB": 256},
+    "gpusPerPod": 2, "cache": {"blockSize": 32, "numBlocks": 1000, "cpuSwapMiB": 256, "kvCacheDtype": "bfloat16"},
     "scheduler": {"maxNumSeqs": 8, "preemptionMode": "swap", "streamInterval": 4,
                   "spareLookahead": 3}, "slo": {"ttftMs": 500, "tpotMs": 50},
     "env": [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel:4317"}],
@@ -71,8 +71,8 @@ def test_container_arguments_are_what_each_service_accepts() -> None:
     pods = containers()
     executor, block_manager, frontend = (parsed(pods[n]) for n in ("executor", "block-manager", "frontend"))
     assert executor.command == "executor" and executor.listen == EXECUTOR_SOCKET
-    assert (executor.model, executor.block_size, executor.num_blocks, executor.cpu_swap_mib) == (
-        "/models/smollm2", 32, 1000, 256)
+    assert (executor.model, executor.block_size, executor.num_blocks, executor.cpu_swap_mib,
+            executor.kv_cache_dtype) == ("/models/smollm2", 32, 1000, 256, "bfloat16")
     assert block_manager.listen == BLOCK_MANAGER_SOCKET and block_manager.geometry_from == EXECUTOR_SOCKET
     assert block_manager.num_blocks is None  # the geometry comes from the executor, never guessed twice
     assert (frontend.executor, frontend.block_manager) == (EXECUTOR_SOCKET, BLOCK_MANAGER_SOCKET)
