@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..executor.options import DTYPE_NAMES
+from ..executor.options import DTYPE_NAMES, KV_CACHE_DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device")
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--num-blocks", type=int)
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="bfloat16: a bf16 KV cache under fp32 weights on the CPU")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -31,7 +33,7 @@ def main(args: argparse.Namespace) -> None:
     from .request import GenerationParams
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_mib=args.kv_cache_mib,
-              num_blocks=args.num_blocks)
+              num_blocks=args.num_blocks, kv_cache_dtype=args.kv_cache_dtype)
     params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, n=args.n, ignore_eos=args.ignore_eos)
     if args.chat:

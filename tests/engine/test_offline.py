@@ -54,6 +54,27 @@ def test_executor_in_process_equals_executor_process(llm: LLM) -> None:
     assert [r.outputs[0].token_ids for r in here] == [r.outputs[0].token_ids for r in there]
 
 
+def test_a_bf16_cache_doubles_the_blocks_and_keeps_the_answers(llm: LLM) -> None:
+    """The real model with `kv_cache_dtype="bfloat16"`: twice the blocks in the same budget, and what it
+    generates stays close to the fp32 cache's: each chosen token's logprob, up to where the two first part."""
+    params = GenerationParams(max_tokens=16, ignore_eos=True)
+    prompts = ["The capital of France is", "def add(a, b):", "The three primary colors are"]
+    with LLM("smollm2-135m", device="cpu", dtype="float32", kv_cache_mib=64, executor="thread",
+             kv_cache_dtype="bfloat16") as narrow:
+        assert (narrow.info.dtype, narrow.info.kv_cache_dtype) == ("float32", "bfloat16")
+        assert narrow.info.num_blocks == 2 * llm.info.num_blocks
+        (paris,) = narrow.generate("The capital of France is", GenerationParams(max_tokens=8), progress=False)
+        assert "Paris" in paris.outputs[0].text
+        ours = narrow.generate(prompts, params, progress=False)
+    wide = llm.generate(prompts, params, progress=False)
+    for a, b in zip(ours, wide, strict=True):
+        tokens, logprobs, theirs = a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].token_ids
+        same = next((i for i, (x, y) in enumerate(zip(tokens, theirs, strict=True)) if x != y), len(tokens))
+        assert same > 0 and len(tokens) == 16
+        # measured: within 0.016 (fp32 vs bf16 keys and values; |logits| up to ~35)
+        assert logprobs[:same] == pytest.approx(b.outputs[0].logprobs[:same], abs=0.1)
+
+
 def test_in_process_the_model_opens_no_openmp_pool_on_the_callers_thread() -> None:
     # libgomp gives every thread that opens a parallel region a pool of workers of its own, and once the pools'
     # threads outnumber the cores, every pool's workers sleep at each barrier (a decode step 10-15 % slower on
@@ -109,7 +130,8 @@ def test_decode_step_breakdown_times_the_cpu_decode_forward() -> None:
     originals = (cpu_decode.native_library, cpu_decode._matmul)
     with LLM("smollm2-135m", device="cpu", dtype="float32", kv_cache_mib=16, executor="thread") as llm:
         result = bench_decode_step(llm, 4, 20, 3, breakdown=True)
-    assert result["kernel_backend"] == "cpu"
+    assert result["kernel_backend"] == "cpu" and result["kv_cache_dtype"] == "float32"
+    assert result["decode_step_ms_4_bfloat16_kv"] > 0 and result["kv_step_ratio_bf16_over_fp32"] > 0  # side by side
     parts = result["decode_breakdown_ms_4"]
     for name in ("matmul: linear layers", "matmul: LM head", "attention", NORMS, "SiLU * up", "sampling"):
         assert parts[name] > 0, name
