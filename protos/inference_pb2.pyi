@@ -493,6 +493,7 @@ class ModelInfo(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     digest: _builtins.str
     max_model_len: _builtins.int
@@ -500,7 +501,10 @@ class ModelInfo(_message.Message):
     block_size: _builtins.int
     num_blocks: _builtins.int
     dtype: _builtins.str
+    """of the weights"""
     device: _builtins.str
+    kv_cache_dtype: _builtins.str
+    """of the KV cache: the weights' dtype, or bfloat16 under float32 weights"""
     def __init__(
         self,
         *,
@@ -512,10 +516,11 @@ class ModelInfo(_message.Message):
         num_blocks: _builtins.int = ...,
         dtype: _builtins.str = ...,
         device: _builtins.str = ...,
+        kv_cache_dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "digest", b"digest", "dtype", b"dtype", "max_model_len", b"max_model_len", "name", b"name", "num_blocks", b"num_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "digest", b"digest", "dtype", b"dtype", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "name", b"name", "num_blocks", b"num_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -253,3 +253,8 @@ class ExecutorInfo:
     epoch: int = 0  # of the frontend's last Reset (a remote executor's)
     kv_layout: str = "paged"  # "paged", "virtual" or "static" (options.KV_LAYOUTS); only paged shares KV
     kv_cache_dtype: str = ""  # the KV cache's dtype where it is not `dtype` (bfloat16 under fp32 weights)
+
+    @property
+    def cache_dtype(self) -> str:
+        """The KV cache's dtype: what its blocks hold, so part of the prefix cache's namespace."""
+        return self.kv_cache_dtype or self.dtype

@@ -137,6 +137,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             name=i.model, digest=i.model_digest, max_model_len=i.max_model_len, vocab_size=i.vocab_size,
             block_size=i.block_size, num_blocks=i.num_blocks, dtype=i.dtype, device=i.device,
+            kv_cache_dtype=i.cache_dtype,
         )])
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:

@@ -100,7 +100,7 @@ class LLM:
         eos = frozenset(info.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
         limits = EngineLimits(info.vocab_size, info.max_model_len, info.num_blocks, info.block_size, eos)
         identity = ModelIdentity(info.model_digest, self.tokenizer.name_or_path or source.name,
-                                 self.tokenizer.chat_template or "", info.dtype)
+                                 self.tokenizer.chat_template or "", info.cache_dtype)
         self.engine = Engine(scheduler, port, limits, identity, overlap)
         self._ids = itertools.count()
 

@@ -106,7 +106,7 @@ def connect(args: argparse.Namespace, max_n: int, on_availability: Callable[[boo
     eos = frozenset(info.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
     limits = EngineLimits(info.vocab_size, info.max_model_len, info.num_blocks, info.block_size, eos, max_n)
     identity = ModelIdentity(info.model_digest, tokenizer.name_or_path or info.model, tokenizer.chat_template or "",
-                             info.dtype)
+                             info.cache_dtype)
     metrics = ServingMetrics(args.ttft_slo_ms, args.tpot_slo_ms)
     loop = EngineLoop(Engine(scheduler, executor, limits, identity, args.overlap), metrics, args.max_waiting_requests,
                       sidecars, args.recovery_timeout, on_availability, args.stream_interval)

@@ -113,8 +113,9 @@ class Stack:
         self._wait("frontend")
         scheme = "https" if args.tls_cert else "http"
         http = f", OpenAI-compatible HTTP API on {scheme}://{args.host}:{args.http_port}/v1" if args.http_port else ""
-        return (f"pagedserve: serving {info.model} on {args.host}:{args.port}{http} ({info.device}, {info.dtype}, "
-                f"{info.kernel_backend} kernels; {info.num_blocks} KV blocks of {info.block_size} tokens, "
+        cache = f", {info.kv_cache_dtype} KV cache" if info.kv_cache_dtype else ""
+        return (f"pagedserve: serving {info.model} on {args.host}:{args.port}{http} ({info.device}, {info.dtype}"
+                f"{cache}, {info.kernel_backend} kernels; {info.num_blocks} KV blocks of {info.block_size} tokens, "
                 f"{info.num_cpu_blocks} CPU swap blocks)")
 
     def _start(self, name: str, argv: list[str], listen: str, timeout: float = 300.0, serving_at: str = "",

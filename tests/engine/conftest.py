@@ -87,7 +87,7 @@ def make_engine(tiny_llama_dir: Path, runners: dict[tuple[int, int], object], ov
             CheckedBlockManager(manager),
         )
         limits = EngineLimits(VOCAB, info.max_model_len, num_blocks, block_size, frozenset({EOS}))
-        identity = ModelIdentity(info.model_digest, "tiny", "", info.dtype)
+        identity = ModelIdentity(info.model_digest, "tiny", "", str(runner.kv_dtype).removeprefix("torch."))
         return Engine(scheduler, LocalExecutor(runner), limits, identity, overlap), manager
 
     return make

@@ -73,6 +73,7 @@ def test_chat_template_and_tokenize(pod: Pod) -> None:
     assert list(by_ids.choices[0].token_ids) == list(response.choices[0].token_ids)
     models = pod.stub.ListModels(pb.ListModelsRequest()).models
     assert models[0].num_blocks == 256 and models[0].block_size == 4
+    assert (models[0].dtype, models[0].kv_cache_dtype) == ("float32", "float32")
 
 
 def test_parallel_samples_and_seeds(pod: Pod) -> None:
