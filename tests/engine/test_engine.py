@@ -148,16 +148,18 @@ def test_prefix_hit_output_equals_cold_output(make_engine: EngineFactory, kv_dty
     assert_no_leak(engine, manager)
 
 
-def test_parallel_samples_share_the_prompt_and_match_independent_seeded_requests(make_engine: EngineFactory) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32_kv", "bf16_kv"])
+def test_parallel_samples_share_the_prompt_and_match_independent_seeded_requests(make_engine: EngineFactory,
+                                                                                 kv_dtype: torch.dtype) -> None:
     params = GenerationParams(max_tokens=12, temperature=1.0, seed=1234, n=4, ignore_eos=True)
-    engine, manager = make_engine()
+    engine, manager = make_engine(kv_dtype=kv_dtype)
     (request,), peak_shared = run(engine, [PROMPTS[3]], params)
     samples = outputs([request])[0]
     assert len({tuple(s) for s in samples}) > 1  # the samples diverge
     assert manager.stats().num_cow_copies >= 3  # the shared partial tail was copied on write
     assert engine.scheduler.fork_parents == []  # forked: no longer looked for each step
     for index, sample in enumerate(samples):  # sample i draws with seed + i, exactly like a lone request
-        lone_engine, _ = make_engine()
+        lone_engine, _ = make_engine(kv_dtype=kv_dtype)
         single = GenerationParams(max_tokens=12, temperature=1.0, seed=1234 + index, ignore_eos=True)
         (lone,), peak_lone = run(lone_engine, [PROMPTS[3]], single)
         assert lone.seqs[0].output_token_ids == sample
