@@ -3,10 +3,13 @@
 One layer of decode attention over a paged fp32 cache, per shape (sequences x context tokens, SmolLM2's 9
 query / 3 KV heads of 64 by default, block size 16) and thread count: `torch_ms` is the torch path
 (`paged_decode_attention_gathered`, its gather plan built once outside the timing, as the executor does per
-step), `c_ms` the C kernel (`paged_decode_attention_cpu`, the `cpu` backend), `speedup` their ratio. Each
-round calls both on `--layers` layers whose caches hold 4x the blocks the shape needs, shuffled, so that
-most reads come from DRAM as in a step; the two alternate round by round (medians of `--rounds`), and
-`max_abs_diff` compares their outputs.
+step), `c_ms` the C kernel (`paged_decode_attention_cpu`, the `cpu` backend), `speedup` their ratio, and
+`c_bf16_ms` the C kernel over the same caches in bf16 (`--kv-cache-dtype bfloat16`: half the bytes),
+`bf16_over_fp32` its time over `c_ms`. Each round calls all three on `--layers` layers whose caches hold 4x
+the blocks the shape needs, shuffled, so that most reads come from DRAM as in a step; they alternate round by
+round (medians of `--rounds`). `max_abs_diff` compares the torch path's output with the kernel's,
+`bf16_diff_vs_widened` the kernel over bf16 with the kernel over that cache widened to fp32 (0: widening is
+exact), `bf16_max_abs_diff` the bf16 cache's output with the fp32 cache's (what rounding the cache changes).
 
     pagedserve bench cpu-attention --json [--shapes 64x80,1x2000] [--threads 1,2] [--out FILE]
 """
@@ -45,6 +48,7 @@ def bench_shape(num_seqs: int, context: int, args: argparse.Namespace, generator
     shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
     caches = [(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
               for _ in range(args.layers)]
+    narrow = [(k.bfloat16(), v.bfloat16()) for k, v in caches]
     tables = torch.randperm(num_blocks, generator=generator)[: num_seqs * blocks_per_seq]
     tables = tables.view(num_seqs, blocks_per_seq).int().contiguous()
     lens = torch.full((num_seqs,), context, dtype=torch.int32)
@@ -58,20 +62,26 @@ def bench_shape(num_seqs: int, context: int, args: argparse.Namespace, generator
     def c_kernel(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return paged_decode_attention_cpu(q, k, v, tables, lens, scale)
 
-    diff = (torch_path(*caches[0]) - c_kernel(*caches[0])).abs().max().item()
-    result: dict[str, Any] = {"max_abs_diff": diff}
+    wide = c_kernel(*caches[0])
+    result: dict[str, Any] = {
+        "max_abs_diff": (torch_path(*caches[0]) - wide).abs().max().item(),
+        "bf16_diff_vs_widened": (c_kernel(*narrow[0]) - c_kernel(*(t.float() for t in narrow[0]))).abs().max().item(),
+        "bf16_max_abs_diff": (c_kernel(*narrow[0]) - wide).abs().max().item(),
+    }
     for threads in args.threads:
         torch.set_num_threads(threads)
-        times: dict[str, list[float]] = {"torch": [], "c": []}
+        times: dict[str, list[float]] = {"torch": [], "c": [], "c_bf16": []}
         for _ in range(args.rounds):
-            for name, fn in (("torch", torch_path), ("c", c_kernel)):
+            for name, fn, layers in (("torch", torch_path, caches), ("c", c_kernel, caches),
+                                     ("c_bf16", c_kernel, narrow)):
                 start = time.perf_counter()
-                for k, v in caches:
+                for k, v in layers:
                     fn(k, v)
                 times[name].append((time.perf_counter() - start) / args.layers * 1e3)
-        torch_ms, c_ms = statistics.median(times["torch"]), statistics.median(times["c"])
+        torch_ms, c_ms, bf16_ms = (statistics.median(times[name]) for name in ("torch", "c", "c_bf16"))
         result[f"threads_{threads}"] = {"torch_ms": round(torch_ms, 4), "c_ms": round(c_ms, 4),
-                                        "speedup": round(torch_ms / c_ms, 3)}
+                                        "speedup": round(torch_ms / c_ms, 3), "c_bf16_ms": round(bf16_ms, 4),
+                                        "bf16_over_fp32": round(bf16_ms / c_ms, 3)}
     return result
 
 
