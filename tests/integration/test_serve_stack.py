@@ -257,6 +257,7 @@ def test_metrics_endpoint_exports_load_and_goodput(pod: Pod) -> None:
     assert blocks == {"used": status.num_used_blocks, "cached": status.num_cached_blocks,
                       "free": status.num_free_blocks - status.num_cached_blocks}
     assert sum(blocks.values()) == after[("pagedserve_kv_blocks_capacity", ())] == 256
+    assert after[("pagedserve_kv_cache_info", (("block_size", "4"), ("dtype", "float32")))] == 1
     assert blocks["cached"] > 0  # the prompt's full blocks stay cached after the request
     assert after[("pagedserve_kv_block_pressure", ())] == 0 and after[("pagedserve_running_seqs", ())] == 0
     assert after[("pagedserve_generation_tokens_per_second", ())] > 0
