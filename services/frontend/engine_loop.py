@@ -358,4 +358,5 @@ class EngineLoop:
             "num_refused": self.num_refused,
             "available": self.down_since is None,
             "num_recoveries": self.num_recoveries,
+            "kv_cache_dtype": self.engine.identity.kv_dtype,
         }

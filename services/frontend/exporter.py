@@ -56,7 +56,7 @@ class ServingCollector(Collector):
         yield gauge("kv_blocks_capacity", "device KV blocks in the cache", stats.num_total_blocks)
         cache = GaugeMetricFamily("pagedserve_kv_cache_info", "the KV cache's element dtype and tokens per block (1)",
                                   labels=["dtype", "block_size"])
-        cache.add_metric([loop.engine.identity.kv_dtype, str(loop.engine.limits.block_size)], 1)
+        cache.add_metric([status["kv_cache_dtype"], str(stats.block_size)], 1)
         yield cache
         yield gauge("kv_block_pressure", "used blocks / capacity: the scaling signal", stats.block_pressure)
         yield gauge("kv_utilization", "filled token slots / slots of used blocks (told to the block manager: up to a"

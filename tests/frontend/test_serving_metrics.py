@@ -137,7 +137,8 @@ def scrape_text(metrics: ServingMetrics, openmetrics: bool = False) -> str:
     manager = BlockManager(16, 4)
     manager.create(0, list(range(10)), b"ns")
     status = {"available": True, "num_recoveries": 0, "num_running": 1, "num_waiting": 0, "num_swapped": 0,
-              "stats": manager.stats(), "num_preemptions_recompute": 2, "num_preemptions_swap": 0, "num_refused": 0}
+              "stats": manager.stats(), "num_preemptions_recompute": 2, "num_preemptions_swap": 0, "num_refused": 0,
+              "kv_cache_dtype": "bfloat16"}
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServingCollector(lambda: _FakeLoop(status=status, metrics=metrics)))  # type: ignore[arg-type]
     return (generate_openmetrics if openmetrics else generate_latest)(registry).decode()
@@ -175,6 +176,7 @@ def test_the_exposition_parses_and_carries_the_histograms_and_counters() -> None
     assert families["pagedserve_time_to_first_token_window_seconds"].type == "gauge"
     assert samples[("pagedserve_time_to_first_token_window_seconds", (("quantile", "0.99"),))] == 0.5
     assert samples[("pagedserve_time_per_output_token_window_seconds", (("quantile", "0.5"),))] == 0.25
+    assert samples[("pagedserve_kv_cache_info", (("block_size", "4"), ("dtype", "bfloat16")))] == 1
     assert parse_pod_metrics(text) is not None
 
     # Prometheus asks for OpenMetrics first: the same families must be valid there too
