@@ -140,9 +140,9 @@ int paged_decode_attention_f32(const float *q, int64_t q_seq_stride, const void 
 
 /* A decode layer's attention after its QKV matmul, in one call: the rotary embedding of q and k (qkv's rows, q
  * heads then k heads then v heads, `qkv_stride` floats apart) into qk [num_seqs, num_heads + num_kv_heads,
- * head_dim], the keys and values into the cache (fp32, or bf16 where `kv_bf16`), then decode attention into out [num_seqs, num_heads,
- * head_dim]: rotary_f32, cache_write_f32 and paged_decode_attention_f32 in that order, so the result is theirs
- * bit for bit. One call instead of three (a call after a GEMM pays for its cold code and data). Returns 0,
+ * head_dim], the keys and values into the cache (fp32, or bf16 where `kv_bf16`), then decode attention into out
+ * [num_seqs, num_heads, head_dim]: rotary_f32, cache_write_f32 and paged_decode_attention_f32 in that order, so
+ * the result is theirs bit for bit. One call instead of three (a call after a GEMM pays for its cold code and data). Returns 0,
  * BAD_SLOT_CODE for a slot past the cache (nothing written), or the attention kernel's error code. */
 #define BAD_SLOT_CODE 4
 int decode_attention_layer_f32(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin, float *qk,

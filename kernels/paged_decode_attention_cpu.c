@@ -145,7 +145,8 @@ static inline __attribute__((always_inline)) void scores_heads(const HeadPass *h
         for (int g = 0; g < G; g++) even[g] = odd[g] = (vec){0};
         int64_t c = 0;
         for (; c + 1 < vectors; c += 2) {
-            const vec k0 = load_kv(h->k_cache, k + LANES * c, bf16), k1 = load_kv(h->k_cache, k + LANES * (c + 1), bf16);
+            const vec k0 = load_kv(h->k_cache, k + LANES * c, bf16);
+            const vec k1 = load_kv(h->k_cache, k + LANES * (c + 1), bf16);
             for (int g = 0; g < G; g++) {
                 even[g] += load(qs + g * h->head_dim + LANES * c) * k0;
                 odd[g] += load(qs + g * h->head_dim + LANES * (c + 1)) * k1;
@@ -174,7 +175,8 @@ static inline __attribute__((always_inline)) void scores_plain(const HeadPass *h
     for (int64_t t = 0; t < h->len; t++) {
         prefetch_step(h, t);
         const int64_t k = h->rows[t] + h->head;
-        float dot = 0.f;
+        float dot = 0.f; /* simdlen: one vector length for both caches (GCC picked a longer one for bf16), so the
+                            partial sums, hence the bits, are the same */
 #pragma omp simd reduction(+ : dot) simdlen(LANES)
         for (int64_t d = 0; d < h->head_dim; d++) dot += q[d] * kv_at(h->k_cache, k + d, bf16);
         p[t] = dot * scale;
