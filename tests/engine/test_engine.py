@@ -106,8 +106,11 @@ def test_spare_blocks_let_most_steps_make_no_block_manager_call(make_engine: Eng
     assert_no_leak(engine, manager)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32_kv", "bf16_kv"])
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+# A bf16 cache only where its blocks are moved, not recomputed: a swap copies their bits, while a recompute (or a
+# prefix hit's last chunk) computes them again in a batch of another shape, whose last fp32 bits may round a key
+# to the other bf16 neighbour, and this random model's top two logprobs come within 0.002 of each other.
+@pytest.mark.parametrize(("mode", "kv_dtype"), [("recompute", torch.float32), ("swap", torch.float32),
+                                                ("swap", torch.bfloat16)], ids=["recompute", "swap", "swap_bf16_kv"])
 def test_preemption_under_a_tiny_budget_keeps_greedy_output(make_engine: EngineFactory, mode: str,
                                                             kv_dtype: torch.dtype) -> None:
     reference, _ = run(make_engine(kv_dtype=kv_dtype)[0], PROMPTS, GREEDY)
@@ -138,9 +141,8 @@ def test_a_one_token_request_leaves_its_prompt_in_the_prefix_cache(make_engine: 
     assert_no_leak(engine, manager)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32_kv", "bf16_kv"])
-def test_prefix_hit_output_equals_cold_output(make_engine: EngineFactory, kv_dtype: torch.dtype) -> None:
-    engine, manager = make_engine(kv_dtype=kv_dtype)
+def test_prefix_hit_output_equals_cold_output(make_engine: EngineFactory) -> None:
+    engine, manager = make_engine()
     (cold,), _ = run(engine, [PROMPTS[3]], GREEDY)
     (warm,), _ = run(engine, [PROMPTS[3]], GREEDY)
     assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 28  # 7 full blocks of 4, last token left
