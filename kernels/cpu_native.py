@@ -108,10 +108,12 @@ def _library() -> ctypes.CDLL | str:
     return library
 
 
-def _compile(compiler: str, target: Path) -> str | None:
-    """Builds the library at `target`; why it could not, or None."""
+def _compile(compiler: str, target: Path, sources: tuple[Path, ...] = SOURCES) -> str | None:
+    """Builds the library at `target` (from `sources`: the kernels', or another build of them to compare); why it
+    could not, or None."""
     try:
-        subprocess.run([compiler, *CFLAGS, "-o", str(target), *map(str, SOURCES), "-lm"], check=True,
+        subprocess.run([compiler, *CFLAGS, "-I", str(Path(__file__).parent), "-o", str(target), *map(str, sources),
+                        "-lm"], check=True,
                        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or str(error)
@@ -242,6 +244,21 @@ def check_status(status: int) -> None:
         raise ValueError(ERRORS.get(status, f"the kernel failed with code {status}"))
 
 
+def library_from(source: Path, directory: Path) -> ctypes.CDLL:
+    """Another build of the decode attention kernel (`source`, built as the kernels are, into `directory`), with
+    its signature: `bench cpu-attention --ab-source` compares it with this one, in one process."""
+    native_library()  # torch's OpenMP runtime first, as for the kernels' own library
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+    target = directory / "pagedserve_ab_kernel.so"
+    error = _compile(compiler, target, (source,))
+    if error is not None:
+        raise RuntimeError(error)
+    library = ctypes.CDLL(str(target))
+    name = "paged_decode_attention_f32"
+    getattr(library, name).restype, getattr(library, name).argtypes = SIGNATURES[name]
+    return library
+
+
 def paged_decode_attention_cpu(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32; each row's heads contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32 or bf16, contiguous
@@ -251,10 +268,11 @@ def paged_decode_attention_cpu(
     scale: float,
     *,
     max_seq_len: int | None = None,  # unused: the kernel sizes its scratch from seq_lens itself
+    library: ctypes.CDLL | None = None,  # another build of the kernel (library_from); default: the kernels' own
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] fp32
     """Decode attention in fp32 over a paged cache of fp32 or bf16 on the CPU (a bf16 cache's keys and values
     widened as read); a sequence of length 0 attends to nothing (0)."""
-    library = native_library()
+    library = library or native_library()
     num_seqs, num_heads, head_dim = q.shape
     cache, kv_bf16 = check_cpu_caches(k_cache, v_cache)
     check_block_tables(block_tables, seq_lens, num_seqs)

@@ -27,3 +27,22 @@ def test_bench_cpu_attention_reports_both_paths_per_shape_and_thread_count(tmp_p
             keys = result[shape][f"threads_{threads}"]
             assert keys["torch_ms"] > 0 and keys["c_ms"] > 0 and keys["c_bf16_ms"] > 0
             assert keys["speedup"] == pytest.approx(keys["torch_ms"] / keys["c_ms"], rel=0.02)  # ms rounded to 4 places
+
+
+def test_another_build_of_the_kernel_is_timed_beside_it(tmp_path: Path) -> None:
+    # the kernel's own source, edited to answer 2x: built as the kernels are, run on the same caches, each
+    # round's time over the kernel's (--ab-source: how a change to the kernel is measured)
+    source = Path(cpu_attention.__file__).parents[1] / "kernels" / "paged_decode_attention_cpu.c"
+    text = source.read_text()
+    assert "store(out + g * h->head_dim + LANES * (c + i), acc[g][i] * inverse[g])" in text
+    edited = tmp_path / "edited.c"
+    edited.write_text(text.replace("acc[g][i] * inverse[g])", "acc[g][i] * inverse[g] * 2.f)"))
+    argv = ["bench", "cpu-attention", "--shapes", "3x40", "--threads", "1", "--layers", "2", "--rounds", "2",
+            "--ab-source", str(edited), "--json", "--out", str(tmp_path / "a.json")]
+    cpu_attention.main(build_parser(argv).parse_args(argv))
+    result = json.loads((tmp_path / "a.json").read_text())
+    assert result["ab_source"] == str(edited)
+    assert result["3x40"]["ab_max_abs_diff"] > 0.1  # it ran the edited build, not the kernels' own
+    keys = result["3x40"]["threads_1"]
+    assert keys["ab_c_ms"] > 0 and keys["ab_c_bf16_ms"] > 0
+    assert keys["ab_over_c"] > 0 and keys["ab_bf16_over_c_bf16"] > 0
