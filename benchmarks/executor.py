@@ -162,9 +162,9 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, br
     served = executor.runner
     block_size = served.block_size
     blocks_per_seq = -(-(context + 1) // block_size)
-    kv_dtypes = [served.kv_dtype]
-    if served.dtype == torch.float32 and served.backend.name in ("cpu", "torch"):
-        kv_dtypes.append(torch.bfloat16 if served.kv_dtype == torch.float32 else torch.float32)
+    # the served cache, and the other of fp32 and bf16 where the executor would build a bf16 one
+    narrow = _narrow_cache(served)
+    kv_dtypes = [served.kv_dtype, *({served.dtype, narrow} - {served.kv_dtype} if narrow is not None else ())]
     prompts = _prompts(llm.tokenizer, num_seqs)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
 
@@ -228,6 +228,17 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, br
                     parts[name].append(seconds)
         result[f"decode_breakdown_ms_{n}"] = {name: round(1000 * statistics.median(v), 2) for name, v in parts.items()}
     return result
+
+
+def _narrow_cache(served: Any) -> torch.dtype | None:
+    """The bf16 cache the executor would build under the served weights (engine_config's rule), or None."""
+    from ..services.executor.engine_config import kv_cache_dtype
+    from ..services.executor.options import ExecutorConfig
+
+    try:
+        return kv_cache_dtype(ExecutorConfig(kv_cache_dtype="bfloat16"), served.dtype, served.backend.name)
+    except ValueError:
+        return None
 
 
 NORMS = "RMSNorm (and the residual adds)"  # each sublayer's output is added by the norm after it, in one call

@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(), "num_preemptions": preemptions, "repeats": args.repeats,
         "python": sys.version.split()[0], "kernel_backend": llm.info.kernel_backend,
-        "kv_cache_dtype": llm.info.kv_cache_dtype or llm.info.dtype,
+        "kv_cache_dtype": llm.info.cache_dtype,
     }
     return result
 

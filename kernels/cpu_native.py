@@ -82,7 +82,7 @@ def _library() -> ctypes.CDLL | str:
         return f"built only on Linux, not {sys.platform}"
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return "torch does not run on OpenMP here, so the kernel's threads would not be torch's"
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         return "no C compiler (cc, gcc, or $CC) on PATH"
     cache = _cache_dir()
@@ -106,6 +106,10 @@ def _library() -> ctypes.CDLL | str:
         function = getattr(library, name)
         function.restype, function.argtypes = restype, argtypes
     return library
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def _compile(compiler: str, target: Path, sources: tuple[Path, ...] = SOURCES) -> str | None:
@@ -247,10 +251,9 @@ def check_status(status: int) -> None:
 def library_from(source: Path, directory: Path) -> ctypes.CDLL:
     """Another build of the decode attention kernel (`source`, built as the kernels are, into `directory`), with
     its signature: `bench cpu-attention --ab-source` compares it with this one, in one process."""
-    native_library()  # torch's OpenMP runtime first, as for the kernels' own library
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+    native_library()  # torch's OpenMP runtime first, and a compiler found (else this raises, with the reason)
     target = directory / "pagedserve_ab_kernel.so"
-    error = _compile(compiler, target, (source,))
+    error = _compile(_compiler() or "cc", target, (source,))
     if error is not None:
         raise RuntimeError(error)
     library = ctypes.CDLL(str(target))
