@@ -121,6 +121,7 @@ class WireExecutor:
         self.clock, self.held = clock, HeldInputs()
         self.servicer = ExecutorServicer(ExecutorConfig(model="stand-in"))
         self.servicer.runner = StandInRunner(0.0, VOCAB_SIZE, Timeline())  # type: ignore[assignment]
+        self.servicer.info = ex_pb.InfoResponse(block_size=BLOCK_SIZE)
         self.decodes: list[int] = []  # per step: its sequences if every one decoded one token, else 0
 
     def submit(self, step: StepInput) -> _Ran:

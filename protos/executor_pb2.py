@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pagedserve/protos/executor.proto\x12\x16pagedserve.executor.v1\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xc2\x04\n\x0e\x45xecuteRequest\x12\x33\n\x08swap_out\x18\x02 \x03(\x0b\x32!.pagedserve.executor.v1.BlockCopy\x12\x32\n\x07swap_in\x18\x03 \x03(\x0b\x32!.pagedserve.executor.v1.BlockCopy\x12\x31\n\x06\x63opies\x18\x04 \x03(\x0b\x32!.pagedserve.executor.v1.BlockCopy\x12\x0f\n\x07step_id\x18\x05 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x06 \x03(\x04\x12\x12\n\nnum_tokens\x18\x07 \x03(\r\x12\x17\n\x0fstart_positions\x18\x08 \x03(\r\x12\x18\n\x10\x62lock_table_lens\x18\t \x03(\r\x12\x0e\n\x06sample\x18\n \x03(\x08\x12\x11\n\ttoken_ids\x18\x0b \x03(\x05\x12\x14\n\x0cslot_mapping\x18\x0c \x03(\x03\x12\x14\n\x0c\x62lock_tables\x18\r \x03(\x05\x12\x13\n\x0btemperature\x18\x0e \x03(\x02\x12\r\n\x05top_k\x18\x0f \x03(\r\x12\r\n\x05top_p\x18\x10 \x03(\x02\x12\x0c\n\x04seed\x18\x11 \x03(\x04\x12\x18\n\x10num_top_logprobs\x18\x12 \x03(\r\x12\r\n\x05\x65poch\x18\x13 \x01(\x04\x12\x18\n\x10released_seq_ids\x18\x14 \x03(\x04\x12\x12\n\ntable_held\x18\x15 \x03(\x08\x12\x13\n\x0btraceparent\x18\x16 \x01(\t\x12\x12\n\ntable_kept\x18\x17 \x03(\r\x12\x15\n\rsampling_held\x18\x18 \x03(\x08J\x04\x08\x01\x10\x02\"\x8b\x01\n\x0f\x45xecuteResponse\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x0f\n\x07num_top\x18\x05 \x03(\r\x12\x15\n\rtop_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x07 \x03(\x02J\x04\x08\x01\x10\x02\"\r\n\x0bInfoRequest\"\x1d\n\x0cResetRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"\xa6\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0cmodel_digest\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x16\n\x0ekernel_backend\x18\x0b \x01(\t\x12\r\n\x05\x65poch\x18\x0c \x01(\x04\x12\x11\n\tkv_layout\x18\r \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x0e \x01(\t2\x92\x02\n\x08\x45xecutor\x12^\n\x07\x45xecute\x12&.pagedserve.executor.v1.ExecuteRequest\x1a\'.pagedserve.executor.v1.ExecuteResponse(\x01\x30\x01\x12Q\n\x04Info\x12#.pagedserve.executor.v1.InfoRequest\x1a$.pagedserve.executor.v1.InfoResponse\x12S\n\x05Reset\x12$.pagedserve.executor.v1.ResetRequest\x1a$.pagedserve.executor.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pagedserve/protos/executor.proto\x12\x16pagedserve.executor.v1\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xd6\x04\n\x0e\x45xecuteRequest\x12\x33\n\x08swap_out\x18\x02 \x03(\x0b\x32!.pagedserve.executor.v1.BlockCopy\x12\x32\n\x07swap_in\x18\x03 \x03(\x0b\x32!.pagedserve.executor.v1.BlockCopy\x12\x31\n\x06\x63opies\x18\x04 \x03(\x0b\x32!.pagedserve.executor.v1.BlockCopy\x12\x0f\n\x07step_id\x18\x05 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x06 \x03(\x04\x12\x12\n\nnum_tokens\x18\x07 \x03(\r\x12\x17\n\x0fstart_positions\x18\x08 \x03(\r\x12\x18\n\x10\x62lock_table_lens\x18\t \x03(\r\x12\x0e\n\x06sample\x18\n \x03(\x08\x12\x11\n\ttoken_ids\x18\x0b \x03(\x05\x12\x14\n\x0cslot_mapping\x18\x0c \x03(\x03\x12\x14\n\x0c\x62lock_tables\x18\r \x03(\x05\x12\x13\n\x0btemperature\x18\x0e \x03(\x02\x12\r\n\x05top_k\x18\x0f \x03(\r\x12\r\n\x05top_p\x18\x10 \x03(\x02\x12\x0c\n\x04seed\x18\x11 \x03(\x04\x12\x18\n\x10num_top_logprobs\x18\x12 \x03(\r\x12\r\n\x05\x65poch\x18\x13 \x01(\x04\x12\x18\n\x10released_seq_ids\x18\x14 \x03(\x04\x12\x12\n\ntable_held\x18\x15 \x03(\x08\x12\x13\n\x0btraceparent\x18\x16 \x01(\t\x12\x12\n\ntable_kept\x18\x17 \x03(\r\x12\x15\n\rsampling_held\x18\x18 \x03(\x08\x12\x12\n\nsame_batch\x18\x19 \x01(\x08J\x04\x08\x01\x10\x02\"\x8b\x01\n\x0f\x45xecuteResponse\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x0f\n\x07num_top\x18\x05 \x03(\r\x12\x15\n\rtop_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x07 \x03(\x02J\x04\x08\x01\x10\x02\"\r\n\x0bInfoRequest\"\x1d\n\x0cResetRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"\xa6\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0cmodel_digest\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x16\n\x0ekernel_backend\x18\x0b \x01(\t\x12\r\n\x05\x65poch\x18\x0c \x01(\x04\x12\x11\n\tkv_layout\x18\r \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x0e \x01(\t2\x92\x02\n\x08\x45xecutor\x12^\n\x07\x45xecute\x12&.pagedserve.executor.v1.ExecuteRequest\x1a\'.pagedserve.executor.v1.ExecuteResponse(\x01\x30\x01\x12Q\n\x04Info\x12#.pagedserve.executor.v1.InfoRequest\x1a$.pagedserve.executor.v1.InfoResponse\x12S\n\x05Reset\x12$.pagedserve.executor.v1.ResetRequest\x1a$.pagedserve.executor.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOCKCOPY']._serialized_start=60
   _globals['_BLOCKCOPY']._serialized_end=97
   _globals['_EXECUTEREQUEST']._serialized_start=100
-  _globals['_EXECUTEREQUEST']._serialized_end=678
-  _globals['_EXECUTERESPONSE']._serialized_start=681
-  _globals['_EXECUTERESPONSE']._serialized_end=820
-  _globals['_INFOREQUEST']._serialized_start=822
-  _globals['_INFOREQUEST']._serialized_end=835
-  _globals['_RESETREQUEST']._serialized_start=837
-  _globals['_RESETREQUEST']._serialized_end=866
-  _globals['_INFORESPONSE']._serialized_start=869
-  _globals['_INFORESPONSE']._serialized_end=1163
-  _globals['_EXECUTOR']._serialized_start=1166
-  _globals['_EXECUTOR']._serialized_end=1440
+  _globals['_EXECUTEREQUEST']._serialized_end=698
+  _globals['_EXECUTERESPONSE']._serialized_start=701
+  _globals['_EXECUTERESPONSE']._serialized_end=840
+  _globals['_INFOREQUEST']._serialized_start=842
+  _globals['_INFOREQUEST']._serialized_end=855
+  _globals['_RESETREQUEST']._serialized_start=857
+  _globals['_RESETREQUEST']._serialized_end=886
+  _globals['_INFORESPONSE']._serialized_start=889
+  _globals['_INFORESPONSE']._serialized_end=1183
+  _globals['_EXECUTOR']._serialized_start=1186
+  _globals['_EXECUTOR']._serialized_end=1460
 # @@protoc_insertion_point(module_scope)

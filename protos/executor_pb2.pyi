@@ -73,6 +73,7 @@ class ExecuteRequest(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     TABLE_KEPT_FIELD_NUMBER: _builtins.int
     SAMPLING_HELD_FIELD_NUMBER: _builtins.int
+    SAME_BATCH_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Overlapped steps are numbered 1, 2, ... by the frontend, which sends step N+1 before step N has
     answered; a step that uses last-sampled tokens runs only after step_id - 1 (0: unnumbered).
@@ -82,6 +83,14 @@ class ExecuteRequest(_message.Message):
     traceparent: _builtins.str
     """The W3C trace context of the frontend's call for this step (empty when it is not traced): one
     stream carries many steps, each the child of its own step's span.
+    """
+    same_batch: _builtins.bool
+    """The last step's batch again (the steady decode step, most steps at a steady load): its sequences, in its
+    order, each decoding the token this executor sampled for it there (step_id - 1) at the position after that
+    step's tokens, into the slot its held table gives that position (block_id * block_size + offset), with its
+    held sampling parameters. Every per-sequence field above is then empty; the block moves and
+    released_seq_ids are as in any step. Refused (INVALID_ARGUMENT) unless the last step this executor accepted
+    is step_id - 1 and holds what each of its sequences needs.
     """
     @_builtins.property
     def swap_out(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockCopy]:
@@ -206,10 +215,11 @@ class ExecuteRequest(_message.Message):
         traceparent: _builtins.str = ...,
         table_kept: _abc.Iterable[_builtins.int] | None = ...,
         sampling_held: _abc.Iterable[_builtins.bool] | None = ...,
+        same_batch: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table_lens", b"block_table_lens", "block_tables", b"block_tables", "copies", b"copies", "epoch", b"epoch", "num_tokens", b"num_tokens", "num_top_logprobs", b"num_top_logprobs", "released_seq_ids", b"released_seq_ids", "sample", b"sample", "sampling_held", b"sampling_held", "seed", b"seed", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "start_positions", b"start_positions", "step_id", b"step_id", "swap_in", b"swap_in", "swap_out", b"swap_out", "table_held", b"table_held", "table_kept", b"table_kept", "temperature", b"temperature", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table_lens", b"block_table_lens", "block_tables", b"block_tables", "copies", b"copies", "epoch", b"epoch", "num_tokens", b"num_tokens", "num_top_logprobs", b"num_top_logprobs", "released_seq_ids", b"released_seq_ids", "same_batch", b"same_batch", "sample", b"sample", "sampling_held", b"sampling_held", "seed", b"seed", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "start_positions", b"start_positions", "step_id", b"step_id", "swap_in", b"swap_in", "swap_out", b"swap_out", "table_held", b"table_held", "table_kept", b"table_kept", "temperature", b"temperature", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

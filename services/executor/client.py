@@ -15,10 +15,12 @@ EXECUTE_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Executor'].full_name}/Execu
 
 def step_to_proto(step: StepInput, epoch: int = 0, held: HeldInputs | None = None) -> pb.ExecuteRequest:
     """`held`: the tables and sampling parameters the executor holds; only the others are sent, a grown table as
-    its new blocks (and recorded as held from now on).
+    its new blocks (and recorded as held from now on). The steady decode step, the last step's batch again with
+    every input held, goes as `same_batch`: no per-sequence field at all.
     Columns by transposing the sequences (zip(*...)): C loops, not one Python pass per field."""
     seqs = step.sequences
     seq_ids, token_lists, starts, tables, slot_lists, samplings = zip(*seqs, strict=True) if seqs else ((),) * 6
+    repeats = held is not None and held.repeats(step.step_id, seq_ids, starts, token_lists)
     table_held: Sequence[bool] = ()
     table_kept: Sequence[int] = ()
     table_lens = list(map(len, tables))
@@ -45,7 +47,16 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldInputs | None = Non
         else:
             sampling_held = ()  # all follow: the empty field says so
     if held is not None:  # after this step's inputs are recorded, as the executor does (`HeldInputs.commit`): a
+        held.record_batch(step.step_id, seq_ids, starts, token_lists)
         held.release(step.released_seq_ids)  # sequence freed and admitted again in one step holds nothing after
+        if repeats and not sent_tables and not table_kept and len(sampled) == len(seqs) and not sent_sampling:
+            # every sequence decodes what it sampled last step, into its held table's slot (the slot rule, which
+            # the scheduler's slots follow and the runner checks of every other step), with held parameters
+            return pb.ExecuteRequest(
+                swap_out=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_out],
+                swap_in=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_in],
+                copies=[pb.BlockCopy(src=s, dst=d) for s, d in step.copies],
+                step_id=step.step_id, epoch=epoch, released_seq_ids=step.released_seq_ids, same_batch=True)
     temperature, top_k, top_p, seed, num_top_logprobs = (
         zip(*sent_sampling, strict=True) if sent_sampling else ((),) * 5)
     return pb.ExecuteRequest(

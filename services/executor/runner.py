@@ -107,12 +107,13 @@ class ModelRunner:
         checked as columns (C loops over the step); only one that fails there is walked sequence by sequence,
         for the error that names the field."""
         seqs = step.sequences
-        if seqs and not self._columns_valid(seqs, step.step_id):
-            self._check_each(seqs, step.step_id)
-        checked = self._checked_tables.tables
-        new_tables = list(map(operator.is_not, map(checked.get, map(_SEQ_ID, seqs)), map(_TABLE, seqs)))
-        for i in compress(range(len(seqs)), new_tables):  # O(table) per sequence: only a new table
-            _check_ids(seqs[i].block_table, self.num_blocks, f"sequences[{i}].block_table")
+        if not self._repeats_batch(step):
+            if seqs and not self._columns_valid(seqs, step.step_id):
+                self._check_each(seqs, step.step_id)
+            checked = self._checked_tables.tables
+            new_tables = list(map(operator.is_not, map(checked.get, map(_SEQ_ID, seqs)), map(_TABLE, seqs)))
+            for i in compress(range(len(seqs)), new_tables):  # O(table) per sequence: only a new table
+                _check_ids(seqs[i].block_table, self.num_blocks, f"sequences[{i}].block_table")
         if self.sequence_kv is not None:
             moves = next((name for name in ("swap_out", "swap_in", "copies") if getattr(step, name)), None)
             if moves is not None:
@@ -127,6 +128,22 @@ class ModelRunner:
                 if not (0 <= src < src_limit and 0 <= dst < dst_limit):
                     raise InvalidRequest(f"{name}[{j}]: block ({src} -> {dst}) outside the cache")
         self._checked_tables.commit(step, samplings_sent=False)  # the step is valid: its tables are checked
+
+    def _repeats_batch(self, step: StepInput) -> bool:
+        """Whether a `same_batch` step is the batch of the last step validated here again, one position on: the
+        same sequences with the same table objects, hence the sampling parameters that step checked (held with
+        them), and slots by the slot rule (the server derived them). Then only what the step adds is checked:
+        each position within the context and its table, the tokens it asks for. Else it is checked as any."""
+        batch = self._checked_tables.batch
+        if not step.same_batch or batch is None or step.step_id != batch[0] + 1:
+            return False
+        seq_ids, token_lists, starts, tables, _, _ = zip(*step.sequences, strict=True)
+        checked, bs = self._checked_tables.tables, self.block_size
+        return (seq_ids == batch[1] and starts == batch[2] and all(map(operator.is_, map(checked.get, seq_ids), tables))
+                and max(starts) < self.max_model_len
+                and all(map(operator.lt, starts, map(operator.mul, map(len, tables), repeat(bs))))
+                and token_lists.count([LAST_SAMPLED]) == len(token_lists)
+                and self.last_sampled.allows(step.step_id, seq_ids, token_lists))
 
     def _columns_valid(self, seqs: Sequence[SequenceInput], step_id: int) -> bool:
         """Whether every rule of `_check_each` but the block ids holds, tested over the step's columns: True only

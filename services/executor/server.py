@@ -33,12 +33,28 @@ from .step_types import HeldInputs, SampledToken, SamplingParams, SequenceInput,
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 
 
-def step_from_proto(r: pb.ExecuteRequest, held: HeldInputs | None = None) -> StepInput:
+# a step's per-sequence fields: a `same_batch` step has none
+SEQUENCE_FIELDS = ("seq_ids", "num_tokens", "start_positions", "block_table_lens", "sample", "token_ids",
+                   "slot_mapping", "block_tables", "temperature", "top_k", "top_p", "seed", "num_top_logprobs",
+                   "table_held", "table_kept", "sampling_held")
+
+
+def step_from_proto(r: pb.ExecuteRequest, held: HeldInputs | None = None, block_size: int = 0) -> StepInput:
     """Splits the packed arrays into sequences, with the tables and sampling parameters `held` for them filled in
-    (`table_held`, `table_kept`, `sampling_held`); InvalidRequest when their lengths disagree or an input is not
-    held. Each repeated field is read once (a pass over one makes its ints anew), and in the steady state (every
-    sequence decodes, every input held) nothing is walked by a Python loop."""
+    (`table_held`, `table_kept`, `sampling_held`), or a `same_batch` step's from the held batch (its slots by the
+    slot rule over `block_size`); InvalidRequest when their lengths disagree or an input is not held. Each
+    repeated field is read once (a pass over one makes its ints anew), and in the steady state (every sequence
+    decodes, every input held) nothing is walked by a Python loop."""
     held = held if held is not None else HeldInputs()
+    swap_out, swap_in, copies = ([(c.src, c.dst) for c in moves] for moves in (r.swap_out, r.swap_in, r.copies))
+    if r.same_batch:
+        named = next((name for name in SEQUENCE_FIELDS if len(getattr(r, name))), None)
+        if named is not None:
+            raise InvalidRequest(f"{named}: must be empty in a same_batch step (its sequences are the last step's)")
+        if block_size <= 0:
+            raise ValueError("a same_batch step needs the cache's block size for its slots")
+        return StepInput(held.repeated_batch(r.step_id, block_size), swap_out, swap_in, copies, r.step_id,
+                         list(r.released_seq_ids), same_batch=True)
     seq_ids = list(r.seq_ids)
     num_seqs = len(seq_ids)
     for name in ("num_tokens", "start_positions", "block_table_lens", "sample"):
@@ -90,14 +106,7 @@ def step_from_proto(r: pb.ExecuteRequest, held: HeldInputs | None = None) -> Ste
     # columns to rows in C (map over the columns), not one Python pass per sequence
     sequences = list(map(new_row, repeat(SequenceInput),
                          zip(seq_ids, token_lists, r.start_positions, table_lists, slot_lists, params, strict=True)))
-    return StepInput(
-        sequences,
-        swap_out=[(c.src, c.dst) for c in r.swap_out],
-        swap_in=[(c.src, c.dst) for c in r.swap_in],
-        copies=[(c.src, c.dst) for c in r.copies],
-        step_id=r.step_id,
-        released_seq_ids=list(r.released_seq_ids),
-    )
+    return StepInput(sequences, swap_out, swap_in, copies, r.step_id, list(r.released_seq_ids))
 
 
 def tokens_to_proto(tokens: list[SampledToken]) -> pb.ExecuteResponse:
@@ -183,7 +192,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         if request.epoch != self.epoch:  # UNAVAILABLE: to its sender this executor is lost (restarted, or reset);
             # checked first: its held inputs are another epoch's, unknown here
             raise NotReady(f"epoch: the step is of epoch {request.epoch}, the executor's is {self.epoch}")
-        step = step_from_proto(request, self.tables)
+        assert self.info is not None  # loaded with the runner
+        step = step_from_proto(request, self.tables, self.info.block_size)
         self.tables.commit(step, samplings_sent=len(request.temperature) > 0)
         return step
 

@@ -53,9 +53,11 @@ class SequenceInput(NamedTuple):  # a tuple: hundreds are built every step
     sampling: SamplingParams | None = None  # None: no next token wanted (a non-final prefill chunk)
 
 
+_LAST_ONLY = [LAST_SAMPLED]  # a decode's tokens when the sender does not know its input yet
 _ID_AND_TABLE = operator.itemgetter(0, 3)  # a SequenceInput's (seq_id, block_table)
 _ID_AND_SAMPLING = operator.itemgetter(0, 5)  # its (seq_id, sampling)
 _SAMPLING = operator.itemgetter(1)
+_SEQ_ID, _TOKENS, _START = (operator.itemgetter(i) for i in range(3))  # a SequenceInput's
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,9 @@ class StepInput:
     # sequences the block manager freed since the last step: a layout that keeps KV per sequence (virtual)
     # releases their memory before this step runs; the paged layout ignores them (its blocks say it all)
     released_seq_ids: Sequence[int] = ()
+    # set by the executor's server only: the sequences are its held batch again (`HeldInputs.repeated_batch`),
+    # so the runner checks only what a step adds to one it already ran (ModelRunner.validate)
+    same_batch: bool = False
 
 
 class LastSampled:
@@ -114,18 +119,66 @@ class LastSampled:
 class HeldInputs:
     """The block tables and sampling parameters a remote executor holds, so that a step names only the tables
     that changed (the `table_held` field of ExecuteRequest), and of a changed one only its new blocks
-    (`table_kept`), and sends a sequence's sampling parameters once (`sampling_held`). The frontend's side
-    (`sent`, `sent_sampling`) and the executor's (`resolve_tables`, `resolve_sampling`, then `commit` as the step is
-    queued) follow the same rules: an input is held from a step sent (on the executor's side: accepted,
-    queued) until its sequence is released or the executor resets. A step that fails voids the steps behind
-    it, and the frontend fails its requests."""
+    (`table_kept`), and sends a sequence's sampling parameters once (`sampling_held`); and the last step's
+    batch, so that the steady decode step is sent as "the same batch again" (`same_batch`). The frontend's side
+    (`sent`, `sent_sampling`, `repeats`, `record_batch`) and the executor's (`resolve_tables`, `resolve_sampling`,
+    `repeated_batch`, then `commit` as the step is queued) follow the same rules: an input is held from a step
+    sent (on the executor's side: accepted, queued) until its sequence is released or the executor resets. A
+    step that fails voids the steps behind it, and the frontend fails its requests."""
 
     def __init__(self) -> None:
         self.tables: dict[int, Sequence[int]] = {}
         self.samplings: dict[int, SamplingParams] = {}
+        # the last step's id, its sequences in order, and the position each one's next token would be at
+        self.batch: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
 
     def clear(self) -> None:
-        self.tables, self.samplings = {}, {}
+        self.tables, self.samplings, self.batch = {}, {}, None
+
+    def record_batch(self, step_id: int, seq_ids: Sequence[int], starts: Sequence[int],
+                     token_lists: Sequence[Sequence[int]]) -> None:
+        """The step just sent (or accepted) is the batch a `same_batch` step would repeat."""
+        self.batch = (step_id, tuple(seq_ids), tuple(map(operator.add, starts, map(len, token_lists))))
+
+    def repeats(self, step_id: int, seq_ids: Sequence[int], starts: Sequence[int],
+                token_lists: Sequence[Sequence[int]]) -> bool:
+        """The sender's side: whether the step is the last one's batch again, each sequence a decode of the token
+        it sampled there, at its next position (tuple comparisons: C loops). Its tables and sampling parameters
+        must also be held (`sent`, `sent_sampling`) for it to go as `same_batch`."""
+        batch = self.batch
+        return (batch is not None and bool(seq_ids) and step_id == batch[0] + 1 and tuple(seq_ids) == batch[1]
+                and tuple(starts) == batch[2] and token_lists.count(_LAST_ONLY) == len(token_lists))
+
+    def repeated_batch(self, step_id: int, block_size: int) -> list[SequenceInput]:
+        """The executor's side of a `same_batch` step: the held batch's sequences, each a decode of LAST_SAMPLED
+        at its next position, its slot by the slot rule over its held table, its held sampling parameters
+        (InvalidRequest when the batch is not step_id - 1's, or an input is not held). Changes nothing."""
+        batch = self.batch
+        if batch is None or step_id != batch[0] + 1:
+            last = "none" if batch is None else f"step {batch[0]}"
+            raise InvalidRequest(f"same_batch: step {step_id} repeats the batch of step {step_id - 1}, but the last"
+                                 f" step this executor holds is {last}")
+        _, seq_ids, starts = batch
+        if not seq_ids:
+            raise InvalidRequest(f"same_batch: step {step_id - 1} ran no sequences to run again")
+        try:
+            tables = list(map(self.tables.__getitem__, seq_ids))
+            samplings = list(map(self.samplings.__getitem__, seq_ids))
+        except KeyError:
+            missing = next(s for s in seq_ids if s not in self.tables or s not in self.samplings)
+            raise InvalidRequest(f"same_batch: this executor holds no block table or sampling parameters for"
+                                 f" sequence {missing}") from None
+        bs = repeat(block_size)
+        try:  # table[position // block_size] * block_size + position % block_size, in C
+            blocks = map(operator.getitem, tables, map(operator.floordiv, starts, bs))
+            slots = list(map(operator.add, map(operator.mul, blocks, bs), map(operator.mod, starts, bs)))
+        except IndexError:
+            i = next(i for i, (t, p) in enumerate(zip(tables, starts, strict=True)) if p >= len(t) * block_size)
+            raise InvalidRequest(f"same_batch: sequence {seq_ids[i]}'s held table of {len(tables[i])} blocks does"
+                                 f" not reach its next position {starts[i]}") from None
+        return list(map(new_row, repeat(SequenceInput), zip(
+            seq_ids, [[LAST_SAMPLED] for _ in seq_ids], starts, tables, [[slot] for slot in slots], samplings,
+            strict=True)))
 
     def release(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
@@ -216,11 +269,13 @@ class HeldInputs:
         return filled
 
     def commit(self, step: StepInput, samplings_sent: bool = True) -> None:
-        """Records the step's inputs as held; its sampling parameters only where some were sent (else every one
-        was held already)."""
-        self.tables.update(map(_ID_AND_TABLE, step.sequences))
+        """Records the step's inputs as held, and its batch; its sampling parameters only where some were sent
+        (else every one was held already)."""
+        seqs = step.sequences
+        self.tables.update(map(_ID_AND_TABLE, seqs))
         if samplings_sent:
-            self.samplings.update(filter(_SAMPLING, map(_ID_AND_SAMPLING, step.sequences)))
+            self.samplings.update(filter(_SAMPLING, map(_ID_AND_SAMPLING, seqs)))
+        self.record_batch(step.step_id, list(map(_SEQ_ID, seqs)), list(map(_START, seqs)), list(map(_TOKENS, seqs)))
         self.release(step.released_seq_ids)
 
 

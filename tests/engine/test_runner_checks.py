@@ -18,6 +18,7 @@ from pagedserve.services.executor.runner import ModelRunner
 from pagedserve.services.executor.step_types import (
     GREEDY,
     LAST_SAMPLED,
+    HeldInputs,
     SampledToken,
     SamplingParams,
     SequenceInput,
@@ -49,6 +50,56 @@ def test_a_table_is_checked_whenever_it_is_a_new_one(runner: ModelRunner) -> Non
         with pytest.raises(InvalidRequest, match="block_table: 99 outside"):
             runner.execute(decode(1, 4, bad))
     runner.execute(decode(1, 4, [1, 3]))  # a good new table runs
+
+
+def test_a_same_batch_step_is_checked_for_what_it_adds_and_runs_as_the_step_in_full(
+        runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The steady decode step the server derives from its held batch (`same_batch`) skips the checks of what the
+    step before passed here (the columns), and samples what the same step in full samples; one that is not that
+    batch again, one position on, is checked as any step."""
+    prefill = StepInput([SequenceInput(1, [5, 6, 7], 0, [1, 2], [4, 5, 6], GREEDY),
+                         SequenceInput(2, [9, 8], 0, [3, 4], [12, 13], GREEDY)], step_id=1)
+
+    def run(flagged: bool) -> list[int]:
+        runner.reset()
+        held = HeldInputs()  # the server's
+        tokens = []
+        for step_id in range(1, 5):  # the prefill, then three steps of the same batch: into block 2's slots, then 4's
+            step = prefill if step_id == 1 else StepInput(held.repeated_batch(step_id, BS), step_id=step_id,
+                                                          same_batch=flagged)
+            held.commit(step)
+            tokens += [t.token_id for t in runner.execute(step)]
+        return tokens
+
+    in_full = run(False)
+    columns_valid = runner._columns_valid
+
+    def only_the_prefill(seqs: list[SequenceInput], step_id: int) -> bool:
+        assert step_id == 1, "a same_batch step checked in columns"
+        return columns_valid(seqs, step_id)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "_columns_valid", only_the_prefill)
+        assert run(True) == in_full
+    # another batch under the flag (its sequence 2 gone, sequence 1 one position further): checked, and refused
+    runner.reset()
+    runner.execute(prefill)
+    stray = StepInput([SequenceInput(1, [LAST_SAMPLED], 4, [1, 2], [9], GREEDY)], step_id=2, same_batch=True)
+    with pytest.raises(InvalidRequest, match="slot 9 of position 4 is not in its block"):
+        runner.execute(stray)
+    # the batch again at the end of the context (its table long enough), or past its table's end: refused
+    for position, blocks, message in ((runner.max_model_len, runner.max_model_len // BS + 1, "exceed the context"),
+                                      (8, 2, "2 blocks cannot hold 9 tokens")):
+        runner.reset()
+        runner.execute(prefill)
+        table = [1] * blocks
+        runner._checked_tables.tables[1], runner._checked_tables.batch = table, (1, (1, 2), (position, 2))
+        slot = table[min(position // BS, blocks - 1)] * BS + position % BS
+        late = StepInput([SequenceInput(1, [LAST_SAMPLED], position, table, [slot], GREEDY),
+                          prefill.sequences[1]._replace(token_ids=[LAST_SAMPLED], start_position=2, slot_mapping=[14])],
+                         step_id=2, same_batch=True)
+        with pytest.raises(InvalidRequest, match=message):
+            runner.execute(late)
 
 
 def test_release_and_reset_forget_the_checked_tables(runner: ModelRunner) -> None:

@@ -181,6 +181,36 @@ def test_overlapped_steps_feed_the_tokens_they_sampled_forward(stub: OneStepStub
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
 
 
+def test_the_steady_decode_step_goes_as_the_same_batch_and_samples_what_it_would_in_full(stub: OneStepStub) -> None:
+    """Two sequences prefilled, then decoded on one stream as the frontend's client sends them (held inputs): from
+    the first decode on, each step is `same_batch`, no per-sequence field, and the tokens are those of the same
+    steps sent in full (one message per stream: nothing held)."""
+    prompts, tables = {1: [5, 17, 42, 8, 9, 60], 2: [7, 3, 11]}, {1: [12, 13, 14], 2: [20, 21, 22]}
+    params = SamplingParams(num_top_logprobs=3)
+
+    def sequences(decoding: bool, position: dict[int, int]) -> list[SequenceInput]:
+        return [SequenceInput(s, [-1] if decoding else prompts[s], position[s], tables[s],
+                              [tables[s][p // BLOCK] * BLOCK + p % BLOCK
+                               for p in range(position[s], position[s] + (1 if decoding else len(prompts[s])))],
+                              params) for s in prompts]
+
+    held, requests, in_full = HeldInputs(), [], []
+    for step_id in range(91, 96):
+        decoding = step_id > 91
+        start = {s: 0 if not decoding else len(prompts[s]) + step_id - 92 for s in prompts}
+        step = StepInput(sequences(decoding, start), step_id=step_id)
+        requests.append(step_to_proto(step, held=held))
+        in_full.append(step_to_proto(step))
+    assert [r.same_batch for r in requests] == [False, True, True, True, True]
+    assert not requests[1].seq_ids and not requests[1].slot_mapping
+    def answers(sent: list[pb.ExecuteRequest]) -> list[list[tuple[int, int]]]:
+        return [[(t.seq_id, t.token_id) for t in tokens(r)] for r in stub.raw.Execute(iter(sent), timeout=60)]
+
+    streamed = answers(requests)
+    assert streamed == answers(in_full)
+    assert len(streamed) == 5 and all(len(t) == 2 for t in streamed)
+
+
 def test_a_failed_step_ends_its_stream_and_voids_the_steps_behind_it(stub: OneStepStub) -> None:
     """The answers before the failure come back; the step queued behind it never runs: the stream's next
     step would otherwise sample again from a cache the failed one left as it was."""
@@ -222,6 +252,9 @@ BAD = [
     (pb.ExecuteRequest(seq_ids=[987654], num_tokens=[1], start_positions=[0], block_table_lens=[1], sample=[False],
                        token_ids=[5], slot_mapping=[0], block_tables=[0], table_kept=[1]),
      "table_kept[0]: this executor holds no block table for sequence 987654"),
+    (pb.ExecuteRequest(step_id=999999, same_batch=True), "same_batch: step 999999 repeats the batch of step 999998,"
+                                                         " but the last step this executor holds is"),
+    (pb.ExecuteRequest(step_id=5, same_batch=True, token_ids=[-1]), "token_ids: must be empty in a same_batch step"),
 ]
 
 

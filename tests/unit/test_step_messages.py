@@ -165,3 +165,105 @@ def test_sampling_parameters_are_sent_once_and_refused_when_not_held() -> None:
     sender.release([7])
     again = step_to_proto(StepInput([decode(7, 3)], step_id=4), held=sender)
     assert (list(again.sampling_held), list(again.seed)) == ([], [params.seed])
+
+
+BS = 4  # the block size of the same_batch tests
+
+
+@st.composite
+def steady_runs(draw: st.DrawFn) -> list[tuple[StepInput, bool]]:
+    """A prefill of a few sequences, then decode steps that are mostly the last step's batch again, each step
+    with whether it is that (and every input held): or broken in one of the ways that make it another batch."""
+    num_seqs = draw(st.integers(1, 5))
+    tables = {seq_id: list(range(seq_id * 10, seq_id * 10 + 6)) for seq_id in range(1, num_seqs + 1)}
+    samplings = {seq_id: draw(sampling) for seq_id in tables}
+    ends = {seq_id: draw(st.integers(1, 8)) for seq_id in tables}
+
+    def seq(seq_id: int, tokens: list[int], start: int) -> SequenceInput:
+        slots = [tables[seq_id][p // BS] * BS + p % BS for p in range(start, start + len(tokens))]
+        return SequenceInput(seq_id, tokens, start, tables[seq_id], slots, samplings[seq_id])
+
+    ids = list(tables)  # the batch's order, kept from step to step
+    run = [(StepInput([seq(s, [5] * ends[s], 0) for s in ids], step_id=1), False)]
+    for step_id in range(2, draw(st.integers(2, 9)) + 1):
+        change = draw(st.sampled_from(["none"] * 6 + ["grow", "new sampling", "leave", "join", "jump", "known token",
+                                                       "chunk", "reorder", "not sampled", "unnumbered"]))
+        if change in ("leave", "reorder") and len(ids) == 1:
+            change = "none"  # one sequence cannot leave or change places: the batch stays
+        if change == "grow":
+            grown = draw(st.sampled_from(ids))
+            tables[grown] = [*tables[grown], 99]
+        elif change == "new sampling":
+            changed = draw(st.sampled_from(ids))
+            samplings[changed] = SamplingParams(*samplings[changed])  # equal, but another object: sent again
+        elif change == "leave":
+            del tables[ids.pop()]
+        elif change == "join":
+            new = max(ids) + 1
+            tables[new], samplings[new], ends[new] = list(range(new * 10, new * 10 + 6)), GREEDY, 0
+            ids.append(new)
+        elif change == "reorder":
+            ids.reverse()
+        sequences = [seq(s, [LAST_SAMPLED], ends[s]) for s in ids]
+        at = draw(st.integers(0, len(ids) - 1))
+        if change == "jump":
+            ends[ids[at]] += 1
+            sequences[at] = seq(ids[at], [LAST_SAMPLED], ends[ids[at]])
+        elif change == "known token":
+            sequences[at] = seq(ids[at], [7], ends[ids[at]])
+        elif change == "chunk":
+            sequences[at] = seq(ids[at], [7, 8], ends[ids[at]])
+        elif change == "not sampled":
+            sequences[at] = sequences[at]._replace(sampling=None)
+        repeated = change == "none" and run[-1][0].step_id == step_id - 1  # not after an unnumbered step
+        run.append((StepInput(sequences, step_id=0 if change == "unnumbered" else step_id), repeated))
+        for s in sequences:
+            ends[s.seq_id] = s.start_position + len(s.token_ids)
+    return run
+
+
+@settings(max_examples=150, deadline=None)
+@given(steady_runs())
+def test_the_steady_decode_step_goes_as_the_same_batch_and_runs_as_sent(run: list[tuple[StepInput, bool]]) -> None:
+    """A step goes as `same_batch` exactly when it is the last step's batch again (the same sequences in the same
+    order, each decoding what it sampled at its next position, tables and sampling parameters held), and then
+    carries no per-sequence field; either way the executor runs the step the frontend built."""
+    sender, receiver = HeldInputs(), HeldInputs()
+    for step, repeated in run:
+        request = pb.ExecuteRequest.FromString(step_to_proto(step, 3, sender).SerializeToString())
+        assert request.same_batch == repeated
+        if repeated:
+            assert [field.name for field, _ in request.ListFields()] == ["step_id", "epoch", "same_batch"]
+        received = step_from_proto(request, receiver, BS)
+        receiver.commit(received)
+        assert as_lists(received) == as_lists(step)
+        assert (received.step_id, received.same_batch) == (step.step_id, repeated)
+
+
+def test_a_same_batch_step_is_refused_unless_its_batch_and_inputs_are_held() -> None:
+    table = [3, 4]
+    first = StepInput([SequenceInput(7, [5, 6], 0, table, [12, 13], GREEDY)], step_id=5)
+    receiver = HeldInputs()
+    receiver.commit(step_from_proto(step_to_proto(first), receiver, BS))
+    again = pb.ExecuteRequest(step_id=6, same_batch=True)
+    assert as_lists(step_from_proto(again, receiver, BS)) == [(7, [LAST_SAMPLED], 2, table, [14], GREEDY)]
+    with pytest.raises(InvalidRequest, match="same_batch: step 6 repeats the batch of step 5, but the last step this "
+                                             "executor holds is none"):
+        step_from_proto(again, HeldInputs(), BS)
+    with pytest.raises(InvalidRequest, match="same_batch: step 8 repeats the batch of step 7, but the last step this "
+                                             "executor holds is step 5"):
+        step_from_proto(pb.ExecuteRequest(step_id=8, same_batch=True), receiver, BS)
+    with pytest.raises(InvalidRequest, match="seq_ids: must be empty in a same_batch step"):
+        step_from_proto(pb.ExecuteRequest(step_id=6, same_batch=True, seq_ids=[7]), receiver, BS)
+    with pytest.raises(InvalidRequest, match="sampling_held: must be empty in a same_batch step"):
+        step_from_proto(pb.ExecuteRequest(step_id=6, same_batch=True, sampling_held=[True]), receiver, BS)
+    # its table does not reach position 8 (2 blocks of 4), or it is not held at all
+    receiver.batch = (5, (7,), (8,))
+    with pytest.raises(InvalidRequest, match="sequence 7's held table of 2 blocks does not reach its next position 8"):
+        step_from_proto(again, receiver, BS)
+    receiver.release([7])
+    with pytest.raises(InvalidRequest, match="holds no block table or sampling parameters for sequence 7"):
+        step_from_proto(again, receiver, BS)
+    receiver.batch = (5, (), ())
+    with pytest.raises(InvalidRequest, match="step 5 ran no sequences to run again"):
+        step_from_proto(again, receiver, BS)
