@@ -107,7 +107,8 @@ class ModelRunner:
         checked as columns (C loops over the step); only one that fails there is walked sequence by sequence,
         for the error that names the field."""
         seqs = step.sequences
-        if not self._repeats_batch(step):
+        repeated = self._repeats_batch(step)
+        if not repeated:
             if seqs and not self._columns_valid(seqs, step.step_id):
                 self._check_each(seqs, step.step_id)
             checked = self._checked_tables.tables
@@ -127,7 +128,10 @@ class ModelRunner:
             for j, (src, dst) in enumerate(pairs):
                 if not (0 <= src < src_limit and 0 <= dst < dst_limit):
                     raise InvalidRequest(f"{name}[{j}]: block ({src} -> {dst}) outside the cache")
-        self._checked_tables.commit(step, samplings_sent=False)  # the step is valid: its tables are checked
+        if repeated:  # the step is valid: its tables are checked
+            self._checked_tables.commit_repeated(step)
+        else:
+            self._checked_tables.commit(step, samplings_sent=False)
 
     def _repeats_batch(self, step: StepInput) -> bool:
         """Whether a `same_batch` step is the batch of the last step validated here again, one position on: the

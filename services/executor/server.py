@@ -194,7 +194,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             raise NotReady(f"epoch: the step is of epoch {request.epoch}, the executor's is {self.epoch}")
         assert self.info is not None  # loaded with the runner
         step = step_from_proto(request, self.tables, self.info.block_size)
-        self.tables.commit(step, samplings_sent=len(request.temperature) > 0)
+        if step.same_batch:
+            self.tables.commit_repeated(step)
+        else:
+            self.tables.commit(step, samplings_sent=len(request.temperature) > 0)
         return step
 
     def _queue(self, request: pb.ExecuteRequest,

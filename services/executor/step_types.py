@@ -268,6 +268,14 @@ class HeldInputs:
                                  " (send it)") from None
         return filled
 
+    def commit_repeated(self, step: StepInput) -> None:
+        """Records a `same_batch` step made from this very batch (`repeated_batch`, or checked to be it): its inputs
+        are held already, its positions one on."""
+        assert self.batch is not None and step.step_id == self.batch[0] + 1, "not this batch's next step"
+        _, seq_ids, starts = self.batch
+        self.batch = (step.step_id, seq_ids, tuple(map(operator.add, starts, repeat(1, len(starts)))))
+        self.release(step.released_seq_ids)
+
     def commit(self, step: StepInput, samplings_sent: bool = True) -> None:
         """Records the step's inputs as held, and its batch; its sampling parameters only where some were sent
         (else every one was held already)."""
