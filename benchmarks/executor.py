@@ -153,6 +153,7 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, br
     KV cache just large enough, so that nothing of the LLM's cache is touched. Under fp32 weights on the CPU
     the same step is also timed over a cache of the other dtype (fp32 or bf16, `--kv-cache-dtype`), alternated
     with the first: keys ending `_bfloat16_kv` (or `_float32_kv`) and `kv_step_ratio_bf16_over_fp32`."""
+    from ..services.executor.engine_config import dtype_name
     from ..services.executor.runner import ModelRunner
     from ..services.executor.step_types import GREEDY, SequenceInput, StepInput
     from ..services.frontend.ports import LocalExecutor
@@ -201,7 +202,7 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, br
     n = num_seqs
     result: dict[str, Any] = {
         "kernel_backend": served.backend.name,  # "cpu": the C kernels (kernels/cpu_native.py); "torch": torch's ops
-        f"decode_context_{n}": context, "kv_cache_dtype": str(served.kv_dtype).removeprefix("torch."),
+        f"decode_context_{n}": context, "kv_cache_dtype": dtype_name(served.kv_dtype),
     }
     for i, kv_dtype in enumerate(kv_dtypes):
         suffix = "" if i == 0 else f"_{str(kv_dtype).removeprefix('torch.')}_kv"

@@ -70,13 +70,18 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:
     if config.kv_layout == "virtual" and device.type == "cpu":
         log.info("virtual KV: %d-byte pages, transparent huge pages %s", page_size, transparent_hugepages())
     info = ExecutorInfo(
-        model=source.name, model_digest=source.digest, dtype=str(dtype).removeprefix("torch."), device=str(device),
+        model=source.name, model_digest=source.digest, dtype=dtype_name(dtype), device=str(device),
         vocab_size=model_config.vocab_size, max_model_len=max_model_len, block_size=block_size,
         num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, eos_token_ids=tuple(model_config.eos_token_ids),
         kernel_backend=backend.name, kv_layout=config.kv_layout,
-        kv_cache_dtype="" if kv_dtype == dtype else str(kv_dtype).removeprefix("torch."),
+        kv_cache_dtype="" if kv_dtype == dtype else dtype_name(kv_dtype),
     )
     return runner, info
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32" for torch.float32: the name Info and the frontend use (options.DTYPE_NAMES)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def kv_cache_dtype(config: ExecutorConfig, dtype: torch.dtype, backend: BackendName) -> torch.dtype:
