@@ -69,11 +69,13 @@ def build_attention_metadata(
     device: torch.device,
     *,
     gather_geometry: tuple[int, int, int] | None = None,
+    decode_block_tables: torch.Tensor | None = None,
 ) -> AttentionMetadata:
     """From per-sequence lists in which the caller placed every sequence with query_len > 1 first.
     A single-token chunk takes the decode kernel: one query at the end of its context is exactly a decode.
     `gather_geometry` (block_size, num_kv_heads, num_heads) is given on the torch path: decodes then read the
-    cache through a `DecodeGather` planned here once, not once per layer."""
+    cache through a `DecodeGather` planned here once, not once per layer. `decode_block_tables`: the decodes'
+    tables padded already (a step that runs the last one's batch again), read by the kernels, never written."""
     num_prefills = sum(1 for q in query_lens if q > 1)
     assert all(q > 1 for q in query_lens[:num_prefills]), "multi-token chunks must precede single tokens"
     prefill_q = list(query_lens[:num_prefills])
@@ -81,7 +83,8 @@ def build_attention_metadata(
     for q in prefill_q:
         cu.append(cu[-1] + q)
     decode_lens = list(seq_lens[num_prefills:])
-    decode_block_tables = padded_tables(block_tables[num_prefills:], device)
+    if decode_block_tables is None:
+        decode_block_tables = padded_tables(block_tables[num_prefills:], device)
     decode_seq_lens = int_tensor(decode_lens, torch.int32, device)
     max_decode_seq_len = max(decode_lens, default=0)
     gather = None

@@ -94,18 +94,20 @@ class ModelRunner:
         # The torch path plans the decodes' cache reads once per step (block_size, num_kv_heads, num_heads).
         self._gather_geometry = (block_size, config.num_kv_heads, config.num_heads) if backend.name == "torch" else None
         self._logits = torch.empty(0, config.vocab_size, device=self.device)
+        self._decode_tables: tuple[int, torch.Tensor] | None = None  # a decode-only step's id, its padded tables
 
     def reset(self) -> None:
         """Forgets every step and sequence (the frontend starts over; its block manager is empty too)."""
         self.last_sampled.clear()
         self._checked_tables.clear()
+        self._decode_tables = None
         if self.sequence_kv is not None:
             self.sequence_kv.reset()
 
-    def validate(self, step: StepInput) -> None:
+    def validate(self, step: StepInput) -> bool:
         """Raises InvalidRequest naming the field; nothing has changed when it does. Every step's sequences are
         checked as columns (C loops over the step); only one that fails there is walked sequence by sequence,
-        for the error that names the field."""
+        for the error that names the field. True when the step is the last one's batch again (`same_batch`)."""
         seqs = step.sequences
         repeated = self._repeats_batch(step)
         if not repeated:
@@ -132,6 +134,7 @@ class ModelRunner:
             self._checked_tables.commit_repeated(step)
         else:
             self._checked_tables.commit(step, samplings_sent=False)
+        return repeated
 
     def _repeats_batch(self, step: StepInput) -> bool:
         """Whether a `same_batch` step is the batch of the last step validated here again, one position on: the
@@ -229,7 +232,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> list[SampledToken]:
-        self.validate(step)
+        repeated = self.validate(step)
         last_sampled = self.last_sampled.start(step.step_id)
         if self.sequence_kv is not None:
             self.sequence_kv.release(step.released_seq_ids)
@@ -237,7 +240,7 @@ class ModelRunner:
         if not step.sequences:
             return []
         seqs = _prefills_first(step.sequences)
-        input_ids, positions, meta = self._build_batch(seqs, last_sampled)
+        input_ids, positions, meta = self._build_batch(seqs, last_sampled, step.step_id, repeated)
         hidden = self.model(input_ids, positions, meta, self._layer_caches)  # [num_tokens, hidden]
         seq_ids, token_lists, starts, _, _, samplings = zip(*seqs, strict=True)
         num_tokens = list(map(len, token_lists))
@@ -262,10 +265,11 @@ class ModelRunner:
         return [by_id[s.seq_id] for s in step.sequences if s.sampling is not None]
 
     def _build_batch(
-        self, seqs: Sequence[SequenceInput], last_sampled: dict[int, int]
+        self, seqs: Sequence[SequenceInput], last_sampled: dict[int, int], step_id: int = 0, repeated: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, Metadata]:
         """The flat token batch of `seqs` (prefill chunks first): input ids and positions [num_tokens] int64,
-        and the attention metadata, each tensor made from one Python list."""
+        and the attention metadata, each tensor made from one Python list. `repeated`: the batch of step
+        `step_id - 1` again (validate), whose decode tables tensor is reused if that step was all decodes."""
         seq_ids, token_lists, starts, tables, slot_lists, _ = zip(*seqs, strict=True)
         num_tokens = list(map(len, token_lists))
         if max(num_tokens) == 1:  # decodes only, by columns
@@ -290,6 +294,7 @@ class ModelRunner:
             regions = [self.sequence_kv.region_for(s) for s in seqs]
             dense = build_dense_metadata(regions, list(starts), num_tokens, self.device)
             return ids_and_positions[0], ids_and_positions[1], dense
+        held = self._decode_tables
         meta = build_attention_metadata(
             num_tokens,
             list(map(operator.add, starts, num_tokens)),
@@ -297,7 +302,10 @@ class ModelRunner:
             slots,
             self.device,
             gather_geometry=self._gather_geometry,
+            decode_block_tables=held[1] if repeated and held is not None and held[0] == step_id - 1 else None,
         )
+        # the same tables in the same order next step (same_batch) need not be padded and copied again
+        self._decode_tables = (step_id, meta.decode_block_tables) if max(num_tokens) == 1 else None
         return ids_and_positions[0], ids_and_positions[1], meta
 
     def _logits_buffer(self, num_rows: int) -> torch.Tensor | None:

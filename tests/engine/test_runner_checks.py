@@ -63,12 +63,17 @@ def test_a_same_batch_step_is_checked_for_what_it_adds_and_runs_as_the_step_in_f
     def run(flagged: bool) -> list[int]:
         runner.reset()
         held = HeldInputs()  # the server's
-        tokens = []
+        tokens, tables = [], []
         for step_id in range(1, 5):  # the prefill, then three steps of the same batch: into block 2's slots, then 4's
             step = prefill if step_id == 1 else StepInput(held.repeated_batch(step_id, BS), step_id=step_id,
                                                           same_batch=flagged)
             held.commit(step)
             tokens += [t.token_id for t in runner.execute(step)]
+            if step_id > 1:
+                assert runner._decode_tables is not None
+                tables.append(runner._decode_tables[1])
+        # the decodes' padded tables: built for the first step of decodes, then reused while the batch repeats
+        assert [t is tables[0] for t in tables] == [True, flagged, flagged]
         return tokens
 
     in_full = run(False)
