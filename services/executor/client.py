@@ -5,6 +5,7 @@ from __future__ import annotations
 import _operator as operator  # the standard library's (this package has an `operator` of its own)
 from collections.abc import Iterable, Sequence
 from itertools import chain, compress, repeat
+from typing import Any
 
 from ...protos import executor_pb2 as pb
 from ...protos import executor_pb2_grpc as pb_grpc
@@ -46,24 +47,21 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldInputs | None = Non
             sent_sampling = list(compress(sampled, map(operator.not_, sampling_held)))
         else:
             sampling_held = ()  # all follow: the empty field says so
+    # what every step carries, its sequences aside
+    step_fields: dict[str, Any] = {name: [pb.BlockCopy(src=s, dst=d) for s, d in getattr(step, name)]
+                                   for name in ("swap_out", "swap_in", "copies")}
+    step_fields.update(step_id=step.step_id, epoch=epoch, released_seq_ids=step.released_seq_ids)
     if held is not None:  # after this step's inputs are recorded, as the executor does (`HeldInputs.commit`): a
         held.record_batch(step.step_id, seq_ids, starts, token_lists)
         held.release(step.released_seq_ids)  # sequence freed and admitted again in one step holds nothing after
         if repeats and not sent_tables and not table_kept and len(sampled) == len(seqs) and not sent_sampling:
             # every sequence decodes what it sampled last step, into its held table's slot (the slot rule, which
             # the scheduler's slots follow and the runner checks of every other step), with held parameters
-            return pb.ExecuteRequest(
-                swap_out=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_out],
-                swap_in=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_in],
-                copies=[pb.BlockCopy(src=s, dst=d) for s, d in step.copies],
-                step_id=step.step_id, epoch=epoch, released_seq_ids=step.released_seq_ids, same_batch=True)
+            return pb.ExecuteRequest(**step_fields, same_batch=True)
     temperature, top_k, top_p, seed, num_top_logprobs = (
         zip(*sent_sampling, strict=True) if sent_sampling else ((),) * 5)
     return pb.ExecuteRequest(
-        swap_out=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_out],
-        swap_in=[pb.BlockCopy(src=s, dst=d) for s, d in step.swap_in],
-        copies=[pb.BlockCopy(src=s, dst=d) for s, d in step.copies],
-        step_id=step.step_id,
+        **step_fields,
         seq_ids=seq_ids,
         num_tokens=list(map(len, token_lists)),
         start_positions=starts,
@@ -77,8 +75,6 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldInputs | None = Non
         top_p=top_p,
         seed=seed,
         num_top_logprobs=num_top_logprobs,
-        epoch=epoch,
-        released_seq_ids=step.released_seq_ids,
         table_held=table_held,
         table_kept=table_kept,
         sampling_held=sampling_held,
