@@ -35,7 +35,7 @@ from ..services.executor.runner import kv_bytes_per_block
 from ..services.executor.step_types import StepInput
 from ..services.executor.virtual_kv import VirtualKV, os_page_size, transparent_hugepages
 from ..services.frontend.llm import LLM
-from ..services.frontend.ports import ExecutorPort, LocalExecutor, RunningStep
+from ..services.frontend.ports import LocalExecutor, RunningStep
 from ..services.frontend.request import GenerationParams, Request
 from .report import emit
 from .workloads import sharegpt_like
@@ -58,12 +58,17 @@ class Job:
 class CountingExecutor:
     """The engine's executor port, counting the tokens each step computes."""
 
-    def __init__(self, inner: ExecutorPort) -> None:
+    def __init__(self, inner: LocalExecutor) -> None:
         self.inner, self.tokens = inner, 0
 
     def submit(self, step: StepInput) -> RunningStep:
-        self.tokens += sum(len(s.token_ids) for s in step.sequences)
-        return self.inner.submit(step)
+        running = self.inner.submit(step)
+        held = self.inner.held.batch
+        if step.same_batch and not step.sequences and held is not None:  # the held batch again: a token each
+            self.tokens += len(held[1])
+        else:
+            self.tokens += sum(len(s.token_ids) for s in step.sequences)
+        return running
 
 
 def build_passes(args: argparse.Namespace, vocab: int) -> dict[str, list[Job]]:

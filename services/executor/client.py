@@ -17,8 +17,20 @@ EXECUTE_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Executor'].full_name}/Execu
 def step_to_proto(step: StepInput, epoch: int = 0, held: HeldInputs | None = None) -> pb.ExecuteRequest:
     """`held`: the tables and sampling parameters the executor holds; only the others are sent, a grown table as
     its new blocks (and recorded as held from now on). The steady decode step, the last step's batch again with
-    every input held, goes as `same_batch`: no per-sequence field at all.
+    every input held, goes as `same_batch`: no per-sequence field at all; so does a step the scheduler built as
+    that already (`StepInput.same_batch`, no sequences: SchedulerConfig.repeat_batches).
     Columns by transposing the sequences (zip(*...)): C loops, not one Python pass per field."""
+    # what every step carries, its sequences aside
+    step_fields: dict[str, Any] = {name: [pb.BlockCopy(src=s, dst=d) for s, d in getattr(step, name)]
+                                   for name in ("swap_out", "swap_in", "copies")}
+    step_fields.update(step_id=step.step_id, epoch=epoch, released_seq_ids=step.released_seq_ids)
+    if step.same_batch:
+        if step.sequences or held is None or held.batch is None or held.batch[0] != step.step_id - 1:
+            raise ValueError(f"step {step.step_id} is flagged same_batch, but " + (
+                "names sequences" if step.sequences else "no batch of the step before is held" if held is None
+                or held.batch is None else f"the batch held is step {held.batch[0]}'s"))
+        held.commit_repeated(step)  # its sequences were held with the steps before: the scheduler's promise
+        return pb.ExecuteRequest(**step_fields, same_batch=True)
     seqs = step.sequences
     seq_ids, token_lists, starts, tables, slot_lists, samplings = zip(*seqs, strict=True) if seqs else ((),) * 6
     repeats = held is not None and held.repeats(step.step_id, seq_ids, starts, token_lists)
@@ -47,10 +59,6 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldInputs | None = Non
             sent_sampling = list(compress(sampled, map(operator.not_, sampling_held)))
         else:
             sampling_held = ()  # all follow: the empty field says so
-    # what every step carries, its sequences aside
-    step_fields: dict[str, Any] = {name: [pb.BlockCopy(src=s, dst=d) for s, d in getattr(step, name)]
-                                   for name in ("swap_out", "swap_in", "copies")}
-    step_fields.update(step_id=step.step_id, epoch=epoch, released_seq_ids=step.released_seq_ids)
     if held is not None:  # after this step's inputs are recorded, as the executor does (`HeldInputs.commit`): a
         held.record_batch(step.step_id, seq_ids, starts, token_lists)
         held.release(step.released_seq_ids)  # sequence freed and admitted again in one step holds nothing after

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import _operator as operator  # the standard library's (this package has an `operator` of its own)
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import compress, repeat
 from typing import NamedTuple
 
@@ -70,8 +70,9 @@ class StepInput:
     # sequences the block manager freed since the last step: a layout that keeps KV per sequence (virtual)
     # releases their memory before this step runs; the paged layout ignores them (its blocks say it all)
     released_seq_ids: Sequence[int] = ()
-    # set by the executor's server only: the sequences are its held batch again (`HeldInputs.repeated_batch`),
-    # so the runner checks only what a step adds to one it already ran (ModelRunner.validate)
+    # the sequences are the held batch again (`HeldInputs.repeated_batch`), so the runner checks only what a step
+    # adds to one it already ran (ModelRunner.validate). From the scheduler (SchedulerConfig.repeat_batches): the
+    # last step's sequences again, not named (`sequences` empty); the executor's side fills them in
     same_batch: bool = False
 
 
@@ -267,6 +268,16 @@ class HeldInputs:
             raise InvalidRequest(f"{field_name}[{i}]: this executor holds no block table for sequence {seq_ids[i]}"
                                  " (send it)") from None
         return filled
+
+    def fill(self, step: StepInput, block_size: int) -> StepInput:
+        """An in-process executor's side (LocalExecutor), as the executor's server does it: a step the scheduler
+        sent as `same_batch` with no sequences gets the held batch's (`repeated_batch`); every step is recorded."""
+        if step.same_batch and not step.sequences:
+            step = replace(step, sequences=self.repeated_batch(step.step_id, block_size))
+            self.commit_repeated(step)
+        else:
+            self.commit(step)
+        return step
 
     def commit_repeated(self, step: StepInput) -> None:
         """Records a `same_batch` step made from this very batch (`repeated_batch`, or checked to be it): its inputs

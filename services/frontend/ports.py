@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 from ..block_manager.manager import BlockManager
 from ..block_manager.stats import BlockStats
 from ..block_manager.step import Op, StepAnswer, apply_step
-from ..executor.step_types import SampledToken, StepInput
+from ..executor.step_types import HeldInputs, SampledToken, StepInput
 
 if TYPE_CHECKING:  # the scheduler imports this module in the frontend, which must not load torch
     from ..executor.runner import ModelRunner
@@ -89,6 +89,7 @@ class LocalExecutor:
     def __init__(self, runner: ModelRunner, thread: ThreadPoolExecutor | None = None) -> None:
         self.runner = runner
         self.thread = thread or _step_thread()
+        self.held = HeldInputs()  # the last batch, its tables and sampling parameters, as the executor's server holds
 
     @classmethod
     def load(cls, build: Callable[[], tuple[ModelRunner, T]]) -> tuple[LocalExecutor, T]:
@@ -106,4 +107,5 @@ class LocalExecutor:
         return self.thread.submit(fn, *args).result()
 
     def submit(self, step: StepInput) -> RunningStep:
-        return self.thread.submit(self.runner.execute, step)
+        """Runs the step after those submitted before; a `same_batch` step's sequences are the held batch's."""
+        return self.thread.submit(self.runner.execute, self.held.fill(step, self.runner.block_size))

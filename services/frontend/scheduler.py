@@ -87,6 +87,9 @@ class SchedulerConfig:
     # A running sequence whose table will have fewer free slots than this after its step gets a spare block at
     # the next call (0: no spares; at most block_size - 1), so that the next steps need no call (see plan)
     spare_lookahead: int = 8
+    # the steady decode step (the last step's sequences again, each decoding what it sampled there) sent as
+    # `same_batch` with no rows: for an executor port that holds the last batch (RemoteExecutor, LocalExecutor)
+    repeat_batches: bool = True
 
 
 @dataclass
@@ -131,6 +134,7 @@ class Scheduler:
         self._seq_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
         self._admissions = itertools.count(1)  # private namespaces when nothing is shared
+        self._last_batch: list[SequenceState] = []  # the last step's sequences if every one sampled, else empty
         self.num_generated = 0  # tokens recorded by `update`, ever (the throughput metric's count)
 
     # ---- requests ------------------------------------------------------------------------------------
@@ -165,6 +169,7 @@ class Scheduler:
         self.running, self.swapped, self.pending, self.starved = [], deque(), [], False
         self.advance.clear()
         self.released = []  # the executor is reset too
+        self._last_batch = []
         for seq in reversed(resumed):
             self._requeue_for_recompute(seq)
         for seq in self.waiting:
@@ -302,6 +307,8 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         swap_out: list[tuple[int, int]] = []
         self.starved = False
+        if not routes and self.config.repeat_batches and self._repeats(local):
+            return self._repeat(local)
         now = time.monotonic()
         for (op, seqs), outcome in zip(routes, outcomes, strict=True):
             if outcome.deltas:
@@ -363,7 +370,33 @@ class Scheduler:
             return None  # the releases wait for the next step: an extra one would break LAST_SAMPLED's numbering
         step = StepInput(inputs, swap_out=swap_out, swap_in=swap_in, copies=copies, step_id=next(self._step_ids),
                          released_seq_ids=self._take_released())
+        self._last_batch = sampled if len(sampled) == len(inputs) else []
         return ScheduledStep(sampled, step)
+
+    def _repeats(self, local: list[SequenceState]) -> bool:
+        """Whether the step's decodes (all placed by the scheduler: no block-manager op, so no table changed) are
+        the last step's sequences again, in its order, each decoding the token it sampled there (LAST_SAMPLED) and
+        sampling the next: `HeldInputs.repeats`' condition, known here without building the rows."""
+        last = self._last_batch
+        if not local or len(local) != len(last) or not all(map(operator.is_, local, last)):
+            return False
+        finished = SeqStatus.FINISHED
+        for seq in local:
+            start, num_known = seq.num_computed, len(seq.token_ids)
+            if seq.status is finished or start < num_known or start + 1 != num_known + seq.num_pending:
+                return False
+        return True
+
+    def _repeat(self, local: list[SequenceState]) -> ScheduledStep:
+        """The steady decode step: `_add_decodes`' bookkeeping for decodes into their own tail blocks, and a step
+        that names no sequence (`same_batch`): the executor's port fills in the last batch's, one position on,
+        each slot by the slot rule over the table it holds (the slot `_add_decodes` would compute)."""
+        for seq in local:
+            seq.num_computed += 1
+            seq.num_local_slots += 1
+            seq.num_pending += 1
+        step = StepInput((), step_id=next(self._step_ids), released_seq_ids=self._take_released(), same_batch=True)
+        return ScheduledStep(local, step)
 
     def _add_decodes(self, seqs: list[SequenceState], slots: Sequence[int] | None, inputs: list[SequenceInput],
                      sampled: list[SequenceState]) -> None:

@@ -70,7 +70,7 @@ def make_engine(tiny_llama_dir: Path, runners: dict[tuple[int, int], object], ov
     def make(num_blocks: int = 256, block_size: int = 4, cpu_blocks: int = 0, max_num_seqs: int = 16,
              max_num_batched_tokens: int = 64, preemption_mode: str = "recompute",
              local_decodes: bool = True, spare_lookahead: int = 8,
-             kv_dtype: torch.dtype | None = None) -> tuple[Engine, BlockManager]:
+             kv_dtype: torch.dtype | None = None, repeat_batches: bool = True) -> tuple[Engine, BlockManager]:
         key = (num_blocks, block_size)
         if key not in runners:  # one model load per cache shape
             runners[key] = build_runner(ExecutorConfig(
@@ -83,7 +83,7 @@ def make_engine(tiny_llama_dir: Path, runners: dict[tuple[int, int], object], ov
         scheduler = Scheduler(
             SchedulerConfig(block_size, info.max_model_len, max_num_seqs, max_num_batched_tokens,
                             preemption_mode, local_decodes=local_decodes,  # type: ignore[arg-type]
-                            spare_lookahead=spare_lookahead),
+                            spare_lookahead=spare_lookahead, repeat_batches=repeat_batches),
             CheckedBlockManager(manager),
         )
         limits = EngineLimits(VOCAB, info.max_model_len, num_blocks, block_size, frozenset({EOS}))

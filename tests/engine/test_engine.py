@@ -106,6 +106,44 @@ def test_spare_blocks_let_most_steps_make_no_block_manager_call(make_engine: Eng
     assert_no_leak(engine, manager)
 
 
+def test_steady_decode_steps_go_as_the_same_batch_and_keep_every_token(make_engine: EngineFactory,
+                                                                       overlap: bool) -> None:
+    """With overlapped steps, a step of decodes that are all the last step's sequences again (each decoding the
+    token it sampled there, no block-manager op) names no sequence (`same_batch`): the executor's port fills in
+    its held batch. Greedy and seeded samples (n = 2, a fork) are those of the engine that names every sequence;
+    in lock step the inputs are known tokens, so no step goes that way."""
+    params = [GREEDY, GenerationParams(max_tokens=20, temperature=0.8, seed=3, n=2, ignore_eos=True)]
+    reference, _ = make_engine(block_size=8, repeat_batches=False)
+    expected = [run(reference, PROMPTS, p)[0] for p in params]
+    engine, manager = make_engine(block_size=8)
+    submit, runner_execute = engine.executor.submit, engine.executor.runner.execute  # type: ignore[attr-defined]
+    flagged: list[int] = []  # the sequences each unnamed step ran
+    ran: dict[int, list[tuple[int, int, int]]] = {}  # step id -> (sequence, position, tokens) the runner got
+
+    def recording_submit(step: Any) -> Any:
+        running = submit(step)
+        if step.same_batch and not step.sequences:
+            flagged.append(step.step_id)
+        return running
+
+    def recording_execute(step: Any) -> Any:
+        ran[step.step_id] = [(s.seq_id, s.start_position, len(s.token_ids)) for s in step.sequences]
+        return runner_execute(step)
+
+    engine.executor.submit = recording_submit  # type: ignore[method-assign]
+    engine.executor.runner.execute = recording_execute  # type: ignore[attr-defined]
+    got = [run(engine, PROMPTS, p)[0] for p in params]
+    assert [outputs(g) for g in got] == [outputs(e) for e in expected]
+    if not overlap:
+        assert flagged == []
+    else:
+        assert len(flagged) > len(ran) // 2, (len(flagged), len(ran))  # most steps of this run
+        for step_id in flagged:  # the last step's sequences again, each a token at its next position
+            assert [(seq_id, p, 1) for seq_id, p, _ in ran[step_id]] == [
+                (seq_id, p + n, 1) for seq_id, p, n in ran[step_id - 1]]
+    assert_no_leak(engine, manager)
+
+
 # A bf16 cache only where its blocks are moved, not recomputed: a swap copies their bits, while a recompute (or a
 # prefix hit's last chunk) computes them again in a batch of another shape, whose last fp32 bits may round a key
 # to the other bf16 neighbour, and this random model's top two logprobs come within 0.002 of each other.

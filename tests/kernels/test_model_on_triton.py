@@ -85,7 +85,9 @@ def test_the_model_on_triton_kernels_steps_as_the_torch_path(kind: str, tmp_path
     path = save_tiny(kind, tmp_path / kind)
     executor = StepByStep(nan_runner(path, "triton"), nan_runner(path, "torch"))
     manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE, CPU_BLOCKS)
-    scheduler = Scheduler(SchedulerConfig(BLOCK_SIZE, 256, 8, 8, "swap"), LocalBlockManager(manager))
+    # every step names its sequences: StepByStep runs each on two runners itself, holding no batch
+    scheduler = Scheduler(SchedulerConfig(BLOCK_SIZE, 256, 8, 8, "swap", repeat_batches=False),
+                          LocalBlockManager(manager))
     engine = Engine(scheduler, executor, EngineLimits(96, 256, NUM_BLOCKS, BLOCK_SIZE, frozenset()),
                     ModelIdentity("digest", kind, "", "float32"))
     prompt = [(7 * i + 3) % 96 for i in range(13)]

@@ -227,11 +227,16 @@ def steady_runs(draw: st.DrawFn) -> list[tuple[StepInput, bool]]:
 def test_the_steady_decode_step_goes_as_the_same_batch_and_runs_as_sent(run: list[tuple[StepInput, bool]]) -> None:
     """A step goes as `same_batch` exactly when it is the last step's batch again (the same sequences in the same
     order, each decoding what it sampled at its next position, tables and sampling parameters held), and then
-    carries no per-sequence field; either way the executor runs the step the frontend built."""
-    sender, receiver = HeldInputs(), HeldInputs()
+    carries no per-sequence field; either way the executor runs the step the frontend built. The scheduler sends
+    such a step without its rows (SchedulerConfig.repeat_batches): the same message, and an in-process executor
+    fills in the same rows (`HeldInputs.fill`)."""
+    sender, receiver, unnamed_sender, in_process = HeldInputs(), HeldInputs(), HeldInputs(), HeldInputs()
     for step, repeated in run:
         request = pb.ExecuteRequest.FromString(step_to_proto(step, 3, sender).SerializeToString())
         assert request.same_batch == repeated
+        unnamed = StepInput((), step_id=step.step_id, same_batch=True) if repeated else step
+        assert step_to_proto(unnamed, 3, unnamed_sender) == request
+        assert as_lists(in_process.fill(unnamed, BS)) == as_lists(step)
         if repeated:
             assert [field.name for field, _ in request.ListFields()] == ["step_id", "epoch", "same_batch"]
         received = step_from_proto(request, receiver, BS)
@@ -270,3 +275,22 @@ def test_a_same_batch_step_is_refused_unless_its_batch_and_inputs_are_held() -> 
     receiver.batch = (5, (), ())
     with pytest.raises(InvalidRequest, match="step 5 ran no sequences to run again"):
         step_from_proto(again, receiver, BS)
+
+
+def test_a_step_the_scheduler_sends_unnamed_needs_the_batch_of_the_step_before() -> None:
+    """A `same_batch` step without sequences repeats the batch the sender holds for step_id - 1 (the scheduler's
+    last step): anything else is a bug in the scheduler, raised before anything is sent."""
+    first = StepInput([SequenceInput(7, [5, 6], 0, [3, 4], [12, 13], GREEDY)], step_id=5)
+    sender = HeldInputs()
+    step_to_proto(first, 0, sender)
+    with pytest.raises(ValueError, match="step 7 is flagged same_batch, but the batch held is step 5's"):
+        step_to_proto(StepInput((), step_id=7, same_batch=True), 0, sender)
+    with pytest.raises(ValueError, match="step 6 is flagged same_batch, but no batch of the step before is held"):
+        step_to_proto(StepInput((), step_id=6, same_batch=True), 0, HeldInputs())
+    with pytest.raises(ValueError, match="step 6 is flagged same_batch, but names sequences"):
+        step_to_proto(StepInput(first.sequences, step_id=6, same_batch=True), 0, sender)
+    request = step_to_proto(StepInput((), step_id=6, same_batch=True, released_seq_ids=[2]), 0, sender)
+    assert (request.step_id, request.same_batch, list(request.released_seq_ids)) == (6, True, [2])
+    assert sender.batch == (6, (7,), (3,))  # one position on
+    with pytest.raises(InvalidRequest, match="step 9 repeats the batch of step 8"):  # in process, the same rule
+        sender.fill(StepInput((), step_id=9, same_batch=True), BS)
