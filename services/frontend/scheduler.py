@@ -66,10 +66,11 @@ from ..block_manager.step import (
     SwapInOp,
     SwapOutOp,
 )
-from ..executor.step_types import LAST_SAMPLED, SampledToken, SequenceInput, StepInput, new_row
+from ..executor.step_types import SampledToken, SequenceInput, StepInput, new_row
 from .ledger import PendingAdvance, decode_token
 from .ports import Answered, BlockManagerPort, PendingAnswer
 from .request import FinishReason, Request, SeqStatus, SequenceOutput, SequenceState, StepOutput
+from .step_rows import add_decodes, add_tokens, advance_repeated, repeats_last_batch
 
 _SEQ_ID = operator.attrgetter("seq_id")
 _TOKEN_SEQ_ID = operator.itemgetter(0)  # SampledToken.seq_id
@@ -307,7 +308,7 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         swap_out: list[tuple[int, int]] = []
         self.starved = False
-        if not routes and self.config.repeat_batches and self._repeats(local):
+        if not routes and self.config.repeat_batches and repeats_last_batch(local, self._last_batch):
             return self._repeat(local)
         now = time.monotonic()
         for (op, seqs), outcome in zip(routes, outcomes, strict=True):
@@ -332,12 +333,12 @@ class Scheduler:
                         self.starved = True
                     for seq in seqs:
                         seq.tail_private = True  # a new tail block, or its own copy of a shared one
-                    self._add_decodes(seqs, outcome.slot_mapping, inputs, sampled)
+                    add_decodes(seqs, outcome.slot_mapping, self.config.block_size, inputs, sampled)
                 case ReserveOp() if outcome.granted:
                     (seq,) = seqs
                     seq.num_known_to_manager = seq.num_computed + op.num_tokens
                     seq.tail_private |= op.num_tokens > 0  # a shared tail written into was copied
-                    self._schedule_tokens(seq, list(outcome.slot_mapping), inputs, sampled)
+                    add_tokens(seq, list(outcome.slot_mapping), inputs, sampled)
                 case ReserveOp():
                     self.starved |= seqs[0].status is SeqStatus.RUNNING
                 case AdmitOp() if outcome.granted:
@@ -348,7 +349,7 @@ class Scheduler:
                     seq.num_computed = seq.num_committed = outcome.num_cached_tokens
                     seq.num_known_to_manager = len(op.token_ids)
                     seq.tail_private = True  # prefix hits are whole blocks: the tail is new
-                    self._schedule_tokens(seq, list(outcome.slot_mapping), inputs, sampled)
+                    add_tokens(seq, list(outcome.slot_mapping), inputs, sampled)
                     seq.request.metrics.first_scheduled = seq.request.metrics.first_scheduled or now
                     seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, outcome.num_cached_tokens)
                 case SwapInOp() if outcome.granted:
@@ -365,7 +366,7 @@ class Scheduler:
                     self.pending.append(FreeOp(seq.seq_id))
                     self._requeue_for_recompute(seq)
         if local:
-            self._add_decodes(local, None, inputs, sampled)
+            add_decodes(local, None, self.config.block_size, inputs, sampled)
         if not inputs and not (swap_out or swap_in or copies):
             return None  # the releases wait for the next step: an extra one would break LAST_SAMPLED's numbering
         step = StepInput(inputs, swap_out=swap_out, swap_in=swap_in, copies=copies, step_id=next(self._step_ids),
@@ -373,69 +374,13 @@ class Scheduler:
         self._last_batch = sampled if len(sampled) == len(inputs) else []
         return ScheduledStep(sampled, step)
 
-    def _repeats(self, local: list[SequenceState]) -> bool:
-        """Whether the step's decodes (all placed by the scheduler: no block-manager op, so no table changed) are
-        the last step's sequences again, in its order, each decoding the token it sampled there (LAST_SAMPLED) and
-        sampling the next: `HeldInputs.repeats`' condition, known here without building the rows."""
-        last = self._last_batch
-        if not local or len(local) != len(last) or not all(map(operator.is_, local, last)):
-            return False
-        finished = SeqStatus.FINISHED
-        for seq in local:
-            start, num_known = seq.num_computed, len(seq.token_ids)
-            if seq.status is finished or start < num_known or start + 1 != num_known + seq.num_pending:
-                return False
-        return True
-
     def _repeat(self, local: list[SequenceState]) -> ScheduledStep:
-        """The steady decode step: `_add_decodes`' bookkeeping for decodes into their own tail blocks, and a step
-        that names no sequence (`same_batch`): the executor's port fills in the last batch's, one position on,
-        each slot by the slot rule over the table it holds (the slot `_add_decodes` would compute)."""
-        for seq in local:
-            seq.num_computed += 1
-            seq.num_local_slots += 1
-            seq.num_pending += 1
+        """The steady decode step: the decodes advanced (step_rows.advance_repeated), and a step that names no
+        sequence (`same_batch`): the executor's port fills in the last batch's, one position on, each slot by the
+        slot rule over the table it holds (the slot `add_decodes` would compute)."""
+        advance_repeated(local)
         step = StepInput((), step_id=next(self._step_ids), released_seq_ids=self._take_released(), same_batch=True)
         return ScheduledStep(local, step)
-
-    def _add_decodes(self, seqs: list[SequenceState], slots: Sequence[int] | None, inputs: list[SequenceInput],
-                     sampled: list[SequenceState]) -> None:
-        """The step's hot loop: every decoding sequence, every step (SequenceInput written out). A sequence that
-        finished since the plan is left out (its slot goes with its blocks at the next call). No `slots`: the
-        decodes the scheduler placed itself, each in a free slot of its own tail block (counted as local)."""
-        finished, append_input, append_sampled = SeqStatus.FINISHED, inputs.append, sampled.append
-        block_size = self.config.block_size
-        for seq, slot in zip(seqs, itertools.repeat(None, len(seqs)) if slots is None else slots, strict=True):
-            if seq.status is finished:
-                continue
-            start, token_ids = seq.num_computed, seq.token_ids
-            if slot is None:
-                slot = seq.block_table[start // block_size] * block_size + start % block_size
-                seq.num_local_slots += 1
-            num_known = len(token_ids)
-            seq.num_computed = start + 1  # from here on, as far as planning goes, it is computed
-            token = token_ids[start] if start < num_known else LAST_SAMPLED  # else: being sampled
-            if start + 1 == num_known + seq.num_pending:  # its next token is wanted
-                seq.num_pending += 1
-                append_sampled(seq)
-                append_input(new_row(SequenceInput, (seq.seq_id, [token], start, seq.block_table, [slot],
-                                                     seq.sampling)))
-            else:
-                append_input(new_row(SequenceInput, (seq.seq_id, [token], start, seq.block_table, [slot], None)))
-
-    @staticmethod
-    def _schedule_tokens(seq: SequenceState, slot_mapping: list[int], inputs: list[SequenceInput],
-                         sampled: list[SequenceState]) -> None:
-        """The step's input for a sequence granted slots for its next tokens (a chunk, or a decode)."""
-        start, num_tokens = seq.num_computed, len(slot_mapping)
-        tokens = seq.token_ids[start : start + num_tokens] or [LAST_SAMPLED]  # being sampled by the last step
-        sample = start + num_tokens == len(seq.token_ids) + seq.num_pending
-        inputs.append(SequenceInput(seq.seq_id, tokens, start, seq.block_table, slot_mapping,
-                                    seq.sampling if sample else None))
-        seq.num_computed = start + num_tokens  # from here on, as far as planning goes, it is computed
-        if sample:
-            seq.num_pending += 1
-            sampled.append(seq)
 
     def _take_released(self) -> list[int]:
         released, self.released = self.released, []
