@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every decode through the block manager, none placed by the scheduler (to compare)")
     parser.add_argument("--spare-lookahead", type=non_negative_int, default=SchedulerConfig.spare_lookahead,
                         help="the scheduler's spare lookahead in slots (0: no spare blocks, to compare)")
+    parser.add_argument("--no-repeat-batches", dest="repeat_batches", action="store_false",
+                        help="the scheduler names every step's sequences, the steady one too (to compare)")
 
 
 class _Clock:
@@ -123,8 +125,10 @@ class WireExecutor:
         self.servicer.runner = StandInRunner(0.0, VOCAB_SIZE, Timeline())  # type: ignore[assignment]
         self.servicer.info = ex_pb.InfoResponse(block_size=BLOCK_SIZE)
         self.decodes: list[int] = []  # per step: its sequences if every one decoded one token, else 0
+        self.unnamed: list[bool] = []  # per step: whether the scheduler sent it as the last batch again, no rows
 
     def submit(self, step: StepInput) -> _Ran:
+        self.unnamed.append(step.same_batch and not step.sequences)
         request = ex_client.step_to_proto(step, 0, self.held).SerializeToString()
         start = time.thread_time()
         accepted = self.servicer.accept(ex_pb.ExecuteRequest.FromString(request))
@@ -142,7 +146,7 @@ def expected_token(position: int) -> int:
 
 
 def measure(num_seqs: int, tokens: int, local_decodes: bool = True,
-            spare_lookahead: int = SchedulerConfig.spare_lookahead) -> dict[str, float]:
+            spare_lookahead: int = SchedulerConfig.spare_lookahead, repeat_batches: bool = True) -> dict[str, float]:
     """One run: `num_seqs` requests at once, to the end; ms of CPU per step in the steady window, per side."""
     clock = _Clock()
     max_len = PROMPT_LEN + BLOCK_SIZE + tokens
@@ -150,7 +154,8 @@ def measure(num_seqs: int, tokens: int, local_decodes: bool = True,
     manager = BlockManager(num_blocks, BLOCK_SIZE)
     config = SchedulerConfig(BLOCK_SIZE, 2048, max_num_seqs=num_seqs,
                              max_num_batched_tokens=max(512, num_seqs * (PROMPT_LEN + BLOCK_SIZE)),
-                             local_decodes=local_decodes, spare_lookahead=spare_lookahead)
+                             local_decodes=local_decodes, spare_lookahead=spare_lookahead,
+                             repeat_batches=repeat_batches)
     executor = WireExecutor(clock)
     limits = EngineLimits(VOCAB_SIZE, 2048, num_blocks, BLOCK_SIZE, frozenset({0}))
     engine = Engine(Scheduler(config, WireBlockManager(manager, clock)), executor, limits,
@@ -160,14 +165,15 @@ def measure(num_seqs: int, tokens: int, local_decodes: bool = True,
     for i in range(num_seqs):
         prompt = [1 + (i * 31 + j) % 1000 for j in range(PROMPT_LEN + i % BLOCK_SIZE)]
         requests.append(engine.enqueue(f"r{i}", prompt, params, final_only=True))
-    steady: list[tuple[float, float, float, int]] = []  # the engine's steps that sent a step decoding every sequence
+    steady: list[tuple[float, float, float, int, bool]] = []  # the steps that sent a step decoding every sequence
     while engine.has_work:
         start, bm0, ex0, sent = time.thread_time(), clock.block_manager, clock.executor, len(executor.decodes)
         calls = clock.block_manager_calls
         engine.step()
         bm, ex = clock.block_manager - bm0, clock.executor - ex0
         if executor.decodes[sent:] == [num_seqs]:
-            steady.append((time.thread_time() - start - bm - ex, bm, ex, clock.block_manager_calls - calls))
+            steady.append((time.thread_time() - start - bm - ex, bm, ex, clock.block_manager_calls - calls,
+                           executor.unnamed[-1]))
     for request in requests:  # every token arrived once, in order: what the stand-in sampled
         (seq,) = request.seqs
         prompt_len = len(request.prompt_token_ids)
@@ -179,7 +185,8 @@ def measure(num_seqs: int, tokens: int, local_decodes: bool = True,
         raise RuntimeError(f"no step decoded all {num_seqs} sequences: raise --tokens")
     fe, bm, ex = (statistics.fmean(step[side] for step in window) * 1e3 for side in range(3))
     return {"frontend": fe, "block_manager": bm, "executor_host": ex, "total": fe + bm + ex,
-            "steps": float(len(window)), "calls": statistics.fmean(step[3] for step in window)}
+            "steps": float(len(window)), "calls": statistics.fmean(step[3] for step in window),
+            "unnamed": statistics.fmean(step[4] for step in window)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -187,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "what": "host CPU of a steady decode step per side, ms, one process and thread, no gRPC (module docstring)",
         "tokens": args.tokens, "repeats": args.repeats, "local_decodes": args.local_decodes,
-        "spare_lookahead": args.spare_lookahead,
+        "spare_lookahead": args.spare_lookahead, "repeat_batches": args.repeat_batches,
     }
     frozen, thresholds = gc.get_freeze_count(), gc.get_threshold()
     gc.collect()
@@ -195,13 +202,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gc.set_threshold(*GC_THRESHOLDS)
     try:
         # discarded: the first run in a process pays for its cold code paths
-        measure(min(counts), args.tokens, args.local_decodes, args.spare_lookahead)
+        measure(min(counts), args.tokens, args.local_decodes, args.spare_lookahead, args.repeat_batches)
         for n in counts:
-            runs = [measure(n, args.tokens, args.local_decodes, args.spare_lookahead) for _ in range(args.repeats)]
+            runs = [measure(n, args.tokens, args.local_decodes, args.spare_lookahead, args.repeat_batches)
+                    for _ in range(args.repeats)]
             for side in ("frontend", "block_manager", "executor_host", "total"):
                 result[f"{side}_ms_per_step_{n}"] = round(statistics.median(r[side] for r in runs), 4)
             result[f"steps_{n}"] = int(min(r["steps"] for r in runs))
             result[f"block_manager_calls_per_step_{n}"] = round(statistics.median(r["calls"] for r in runs), 3)
+            # the steady steps the scheduler sent as the last batch again, without rows (SchedulerConfig.repeat_batches)
+            result[f"unnamed_steps_frac_{n}"] = round(statistics.median(r["unnamed"] for r in runs), 3)
     finally:
         gc.set_threshold(*thresholds)
         if not frozen:

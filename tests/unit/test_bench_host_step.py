@@ -11,15 +11,20 @@ import pytest
 from pagedserve.benchmarks import host_step
 
 
-@pytest.mark.parametrize(("local_decodes", "spare_lookahead"), [(True, 8), (True, 0), (False, 0)],
-                         ids=["spares", "local-decodes", "every-decode-to-the-block-manager"])
+@pytest.mark.parametrize(("local_decodes", "spare_lookahead", "repeat_batches"),
+                         [(True, 8, True), (True, 8, False), (True, 0, True), (False, 0, True)],
+                         ids=["spares", "every-step-named", "local-decodes", "every-decode-to-the-block-manager"])
 def test_bench_host_step_splits_a_steady_step_by_side_and_every_token_arrives(local_decodes: bool,
-                                                                             spare_lookahead: int) -> None:
+                                                                             spare_lookahead: int,
+                                                                             repeat_batches: bool) -> None:
     thresholds = gc.get_threshold()
     args = argparse.Namespace(seqs="1,32", tokens=40, repeats=2, json=True, out=None, local_decodes=local_decodes,
-                              spare_lookahead=spare_lookahead)
+                              spare_lookahead=spare_lookahead, repeat_batches=repeat_batches)
     result = host_step.run(args)  # raises when a request did not get exactly the stand-in's tokens
     assert result["local_decodes"] is local_decodes
+    # a step that makes no block-manager call repeats the last batch: unnamed, unless the scheduler may not
+    unnamed = result["unnamed_steps_frac_32"]
+    assert 0.5 < unnamed < 1 if repeat_batches and spare_lookahead else unnamed == 0
     # 32 prompts of staggered lengths: some sequence enters a new block every step; a spare taken by one call
     # serves the steps after it, so most steps make no call (a count, not a time)
     calls = result["block_manager_calls_per_step_32"]
