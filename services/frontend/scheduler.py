@@ -136,6 +136,8 @@ class Scheduler:
         self._step_ids = itertools.count(1)
         self._admissions = itertools.count(1)  # private namespaces when nothing is shared
         self._last_batch: list[SequenceState] = []  # the last step's sequences if every one sampled, else empty
+        self._quiet_steps = 0  # plans to come that need no pass over the running sequences (_plan_quiet)
+        self._quiet_running: list[SequenceState] = []  # the running sequences they are about
         self.num_generated = 0  # tokens recorded by `update`, ever (the throughput metric's count)
 
     # ---- requests ------------------------------------------------------------------------------------
@@ -170,7 +172,7 @@ class Scheduler:
         self.running, self.swapped, self.pending, self.starved = [], deque(), [], False
         self.advance.clear()
         self.released = []  # the executor is reset too
-        self._last_batch = []
+        self._last_batch, self._quiet_steps = [], 0
         for seq in reversed(resumed):
             self._requeue_for_recompute(seq)
         for seq in self.waiting:
@@ -205,6 +207,34 @@ class Scheduler:
 
     def plan(self) -> PlannedStep | None:
         """Plans the step and sends its ops in one BlockManager call, without waiting for the answer."""
+        quiet = self._plan_quiet()
+        return quiet if quiet is not None else self._plan_full()
+
+    def _plan_quiet(self) -> PlannedStep | None:
+        """The plan of a step in a quiet stretch, without a pass over the running sequences: the last full plan
+        found every running sequence decoding into its own tail block or spare, no call to make, and how many
+        steps more that holds (`_quiet_steps`), and nothing changed since (the same running sequences, none
+        waiting or swapped, no frees, catch-ups or forks to send). The full plan would find the same."""
+        if not self._quiet_steps or self.pending or self.waiting or self.swapped or self.fork_parents \
+                or self.starved or self.advance:
+            return None
+        running, quiet = self.running, self._quiet_running
+        if len(running) != len(quiet) or not all(map(operator.is_, running, quiet)):
+            return None
+        self._quiet_steps -= 1
+        return PlannedStep([], Answered(StepAnswer([], self.stats)), list(running))
+
+    def _quiet_steps_after(self, local: list[SequenceState]) -> int:
+        """How many plans after this one find `local`, every running sequence, decoding into its own blocks with
+        nothing to send: while each has a free slot past the ones planned (a step takes one), and its known
+        tokens (each step adds one, sampled or pending) stay short of its length limit (`_target_len`)."""
+        block_size, max_model_len = self.config.block_size, self.config.max_model_len
+        room = min(len(s.block_table) * block_size - s.num_computed for s in local) - 1
+        to_limit = min(min(s.request.max_len, max_model_len) - len(s.token_ids) - s.num_pending for s in local) - 1
+        return max(0, min(room, to_limit))
+
+    def _plan_full(self) -> PlannedStep | None:
+        self._quiet_steps = 0
         routes: list[tuple[Op, list[SequenceState]]] = [(op, []) for op in self.pending]
         self.pending = []
         if self.starved:
@@ -274,6 +304,8 @@ class Scheduler:
                 routes.append((admit, [seq]))
                 room, budget, free_estimate = room - 1, budget - chunk, free_estimate - blocks
         if not routes and not self.advance:
+            if local and len(local) == len(self.running):  # a quiet stretch may start: see _plan_quiet
+                self._quiet_steps, self._quiet_running = self._quiet_steps_after(local), list(self.running)
             return PlannedStep([], Answered(StepAnswer([], self.stats)), local) if local else None
         # A call is made anyway: spares for the decodes that would soon need one, while a block per running
         # sequence stays free besides, so that the next steps need no call (blocks are taken k steps early).

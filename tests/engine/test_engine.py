@@ -144,6 +144,39 @@ def test_steady_decode_steps_go_as_the_same_batch_and_keep_every_token(make_engi
     assert_no_leak(engine, manager)
 
 
+def test_a_quiet_plan_is_the_full_plan_without_the_pass(make_engine: EngineFactory) -> None:
+    """A plan in a quiet stretch (every running sequence decoding into its own blocks, nothing to send) skips the
+    pass over the running sequences: each one is checked against the full plan made right after it, which must
+    find the same decodes, no op and no call, and the same number of quiet steps left. Greedy and seeded
+    samples (a fork, n = 2) and requests that end at different lengths."""
+    engine, manager = make_engine(block_size=8)
+    scheduler = engine.scheduler
+    quiet_plan = scheduler._plan_quiet
+    checked = 0
+
+    def checked_quiet_plan() -> Any:
+        nonlocal checked
+        planned = quiet_plan()
+        if planned is not None:
+            left = scheduler._quiet_steps
+            full = scheduler._plan_full()  # no side effect when the quiet plan is right: no op, no catch-up
+            assert full is not None and full.routes == [] and not scheduler.advance
+            assert len(full.local) == len(planned.local) and all(map(lambda a, b: a is b, full.local, planned.local))
+            assert scheduler._quiet_steps == left
+            checked += 1
+        return planned
+
+    scheduler._plan_quiet = checked_quiet_plan  # type: ignore[method-assign]
+    params = [GenerationParams(max_tokens=30, ignore_eos=True),
+              GenerationParams(max_tokens=21, temperature=0.8, seed=3, n=2, ignore_eos=True)]
+    reference, _ = make_engine(block_size=8, local_decodes=False)  # every decode a block-manager op: never quiet
+    expected = [run(reference, PROMPTS, p)[0] for p in params]
+    got = [run(engine, PROMPTS, p)[0] for p in params]
+    assert [outputs(g) for g in got] == [outputs(e) for e in expected]
+    assert checked > 20, checked
+    assert_no_leak(engine, manager)
+
+
 # A bf16 cache only where its blocks are moved, not recomputed: a swap copies their bits, while a recompute (or a
 # prefix hit's last chunk) computes them again in a batch of another shape, whose last fp32 bits may round a key
 # to the other bf16 neighbour, and this random model's top two logprobs come within 0.002 of each other.
