@@ -25,10 +25,13 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: HeldInputs | None = Non
                                    for name in ("swap_out", "swap_in", "copies")}
     step_fields.update(step_id=step.step_id, epoch=epoch, released_seq_ids=step.released_seq_ids)
     if step.same_batch:
-        if step.sequences or held is None or held.batch is None or held.batch[0] != step.step_id - 1:
-            raise ValueError(f"step {step.step_id} is flagged same_batch, but " + (
-                "names sequences" if step.sequences else "no batch of the step before is held" if held is None
-                or held.batch is None else f"the batch held is step {held.batch[0]}'s"))
+        flagged = f"step {step.step_id} is flagged same_batch, but"
+        if step.sequences:
+            raise ValueError(f"{flagged} names sequences")
+        if held is None or held.batch is None:
+            raise ValueError(f"{flagged} no batch of the step before is held")
+        if held.batch[0] != step.step_id - 1:
+            raise ValueError(f"{flagged} the batch held is step {held.batch[0]}'s")
         held.commit_repeated(step)  # its sequences were held with the steps before: the scheduler's promise
         return pb.ExecuteRequest(**step_fields, same_batch=True)
     seqs = step.sequences
