@@ -20,6 +20,13 @@ times its parts; on the cpu backend those of its decode forward (services/execut
 the rotary embedding and the cache write are part of "attention". Under fp32 weights on the CPU the step is
 also timed over a bf16 cache (`--kv-cache-dtype`: half the bytes attention reads), alternated with the fp32
 one: `decode_step_over_matmul_64_bfloat16_kv`, `kv_step_ratio_bf16_over_fp32`.
+
+`--decode-bound` asks how far the step is from what this machine allows: the same step at context 1 (everything
+but attention's reads of the cache: `decode_step_over_matmul_64_context1`), the bytes of keys and values the
+step's attention reads (`kv_read_mb_64`), and the rate at which torch reads a buffer far larger than the
+caches (`stream_read_gb_s`). `decode_step_bound_over_matmul_64` (and `_bfloat16_kv`) is the context-1 ratio
+plus the time those bytes take at that rate, over the matmuls: the step if attention cost only its reads,
+none of them overlapped with the GEMMs (which keep every core busy).
 """
 
 from __future__ import annotations
@@ -100,6 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              " average ~75)")
     parser.add_argument("--decode-breakdown", action="store_true",
                         help="also time the decode step's parts (matmuls, attention, norms, ...): decode_breakdown_ms")
+    parser.add_argument("--decode-bound", action="store_true",
+                        help="also time the step at context 1 and this machine's streaming read rate: the step's"
+                             " bound if attention only read the cache (decode_step_bound_over_matmul_N)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -142,17 +152,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.decode_seqs > 0:
         result.update(on_model_thread(functools.partial(
             bench_decode_step, llm, args.decode_seqs, args.decode_context, max(args.repeats, 5),
-            breakdown=args.decode_breakdown)))
+            breakdown=args.decode_breakdown, bound=args.decode_bound)))
     return result
 
 
-def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, breakdown: bool = False
-                      ) -> dict[str, Any]:
+def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, breakdown: bool = False,
+                      bound: bool = False) -> dict[str, Any]:
     """One decode step of `num_seqs` sequences at `context` tokens vs its own matmuls (medians of `repeats`
     alternating timings). The step runs on a runner of its own that shares the LLM's model (weights), with a
     KV cache just large enough, so that nothing of the LLM's cache is touched. Under fp32 weights on the CPU
     the same step is also timed over a cache of the other dtype (fp32 or bf16, `--kv-cache-dtype`), alternated
-    with the first: keys ending `_bfloat16_kv` (or `_float32_kv`) and `kv_step_ratio_bf16_over_fp32`."""
+    with the first: keys ending `_bfloat16_kv` (or `_float32_kv`) and `kv_step_ratio_bf16_over_fp32`. With
+    `bound`, the step at context 1 too (`_context1`), and the step's bound (module docstring)."""
     from ..services.executor.engine_config import dtype_name
     from ..services.executor.runner import ModelRunner
     from ..services.executor.step_types import GREEDY, SequenceInput, StepInput
@@ -162,17 +173,18 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, br
     assert isinstance(executor, LocalExecutor), f"the LLM's executor is {type(executor).__name__}"
     served = executor.runner
     block_size = served.block_size
-    blocks_per_seq = -(-(context + 1) // block_size)
     # the served cache, and the other of fp32 and bf16 where the executor would build a bf16 one
     narrow = _narrow_cache(served)
     kv_dtypes = [served.kv_dtype, *({served.dtype, narrow} - {served.kv_dtype} if narrow is not None else ())]
     prompts = _prompts(llm.tokenizer, num_seqs)
-    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
 
-    def slots(seq: int, start: int, count: int) -> list[int]:
-        return [tables[seq][p // block_size] * block_size + p % block_size for p in range(start, start + count)]
+    def prepared(kv_dtype: torch.dtype, context: int) -> tuple[ModelRunner, StepInput]:
+        blocks_per_seq = -(-(context + 1) // block_size)
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
 
-    def prepared(kv_dtype: torch.dtype) -> tuple[ModelRunner, StepInput]:
+        def slots(seq: int, start: int, count: int) -> list[int]:
+            return [tables[seq][p // block_size] * block_size + p % block_size for p in range(start, start + count)]
+
         runner = ModelRunner(served.model, served.config, served.backend, block_size, num_seqs * blocks_per_seq, 0,
                              served.max_model_len, kv_dtype=kv_dtype)
         last_tokens = []
@@ -184,7 +196,14 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, br
         return runner, StepInput([SequenceInput(i, [last_tokens[i]], context, tables[i], slots(i, context, 1), GREEDY)
                                   for i in range(num_seqs)])
 
-    steps = [prepared(kv_dtype) for kv_dtype in kv_dtypes]
+    n = num_seqs
+    # each timed step with its keys' suffix: the served cache, the other one, and with `bound` the served one at
+    # context 1
+    suffixes = ["", *(f"_{str(kv_dtype).removeprefix('torch.')}_kv" for kv_dtype in kv_dtypes[1:])]
+    steps = [prepared(kv_dtype, context) for kv_dtype in kv_dtypes]
+    if bound:
+        suffixes.append("_context1")
+        steps.append(prepared(served.kv_dtype, 1))
     matmuls = _step_matmuls(served.model, num_seqs)
     for runner, step in steps:  # warm-up
         runner.execute(step)
@@ -199,23 +218,32 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, br
             start = time.perf_counter()
             matmuls()
             matmul_times.append(time.perf_counter() - start)
-    n = num_seqs
     result: dict[str, Any] = {
         "kernel_backend": served.backend.name,  # "cpu": the C kernels (kernels/cpu_native.py); "torch": torch's ops
         f"decode_context_{n}": context, "kv_cache_dtype": dtype_name(served.kv_dtype),
     }
-    for i, kv_dtype in enumerate(kv_dtypes):
-        suffix = "" if i == 0 else f"_{str(kv_dtype).removeprefix('torch.')}_kv"
+    ratios = []
+    for suffix, step_times, matmul_times in zip(suffixes, step_s, matmul_s, strict=True):
         # the ratio of each step to the matmuls timed right after it: load elsewhere that drifts over the run
         # slows both sides of a pair alike
-        ratio = statistics.median(step / matmul for step, matmul in zip(step_s[i], matmul_s[i], strict=True))
-        result |= {f"decode_step_ms_{n}{suffix}": round(1000 * statistics.median(step_s[i]), 2),
-                   f"decode_matmul_ms_{n}{suffix}": round(1000 * statistics.median(matmul_s[i]), 2),
-                   f"decode_step_over_matmul_{n}{suffix}": round(ratio, 3)}
+        ratios.append(statistics.median(step / matmul for step, matmul in zip(step_times, matmul_times, strict=True)))
+        result |= {f"decode_step_ms_{n}{suffix}": round(1000 * statistics.median(step_times), 2),
+                   f"decode_matmul_ms_{n}{suffix}": round(1000 * statistics.median(matmul_times), 2),
+                   f"decode_step_over_matmul_{n}{suffix}": round(ratios[-1], 3)}
     if len(kv_dtypes) == 2:  # each round's bf16 step over its fp32 step, side by side
         bf16 = kv_dtypes.index(torch.bfloat16)
         result["kv_step_ratio_bf16_over_fp32"] = round(statistics.median(
             narrow / wide for narrow, wide in zip(step_s[bf16], step_s[1 - bf16], strict=True)), 3)
+    if bound:
+        rate = _stream_read_bytes_per_s(served.device)
+        result["stream_read_gb_s"] = round(rate / 1e9, 2)
+        config, context1 = served.config, ratios[-1]
+        for i, kv_dtype in enumerate(kv_dtypes):
+            read = n * (context + 1) * config.num_layers * 2 * config.num_kv_heads * config.head_dim * torch.finfo(
+                kv_dtype).bits // 8  # each sequence attends to its context and the token it adds
+            result[f"kv_read_mb_{n}{suffixes[i]}"] = round(read / 1e6, 2)
+            result[f"decode_step_bound_over_matmul_{n}{suffixes[i]}"] = round(
+                context1 + read / rate / statistics.median(matmul_s[i]), 3)
     if breakdown:
         runner, step = steps[0]
         parts: dict[str, list[float]] = collections.defaultdict(list)
@@ -229,6 +257,21 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, br
                     parts[name].append(seconds)
         result[f"decode_breakdown_ms_{n}"] = {name: round(1000 * statistics.median(v), 2) for name, v in parts.items()}
     return result
+
+
+STREAM_READ_BYTES = 1 << 30  # far beyond any cache: reads come from memory
+
+
+def _stream_read_bytes_per_s(device: torch.device) -> float:
+    """The rate at which torch sums a 1 GiB buffer with the step's threads (the best of five): how fast this
+    machine streams memory into the cores, which bounds how fast attention can read a cold cache."""
+    buffer = torch.ones(STREAM_READ_BYTES // 4, device=device)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        buffer.sum().item()  # .item(): until the device is done
+        times.append(time.perf_counter() - start)
+    return STREAM_READ_BYTES / min(times)
 
 
 def _narrow_cache(served: Any) -> torch.dtype | None:

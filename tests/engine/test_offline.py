@@ -126,13 +126,24 @@ def test_run_cli_prints_one_json_object_per_prompt() -> None:
 
 
 def test_decode_step_breakdown_times_the_cpu_decode_forward() -> None:
-    # bench executor --decode-breakdown on the cpu backend wraps the decode forward's own GEMMs and C calls
+    # bench executor --decode-breakdown on the cpu backend wraps the decode forward's own GEMMs and C calls;
+    # --decode-bound adds the step at context 1 and the bound from the bytes attention reads
     from pagedserve.benchmarks.executor import NORMS, bench_decode_step
     from pagedserve.services.executor.model import cpu_decode
 
     originals = (cpu_decode.native_library, cpu_decode._matmul)
     with LLM("smollm2-135m", device="cpu", dtype="float32", kv_cache_mib=16, executor="thread") as llm:
-        result = bench_decode_step(llm, 4, 20, 3, breakdown=True)
+        result = bench_decode_step(llm, 4, 20, 3, breakdown=True, bound=True)
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64; 4 sequences attend to 20 tokens and the one each adds
+    fp32_bytes = 4 * 21 * 30 * 2 * 3 * 64 * 4
+    assert result["kv_read_mb_4"] == round(fp32_bytes / 1e6, 2)
+    assert result["kv_read_mb_4_bfloat16_kv"] == round(fp32_bytes / 2 / 1e6, 2)
+    assert result["decode_step_ms_4_context1"] > 0 and result["stream_read_gb_s"] > 0
+    for suffix in ("", "_bfloat16_kv"):  # the context-1 ratio plus the reads at the streaming rate, over the matmuls
+        reads_s = result[f"kv_read_mb_4{suffix}"] * 1e6 / (result["stream_read_gb_s"] * 1e9)
+        assert result[f"decode_step_bound_over_matmul_4{suffix}"] == pytest.approx(
+            result["decode_step_over_matmul_4_context1"] + reads_s / (result[f"decode_matmul_ms_4{suffix}"] / 1e3),
+            abs=2e-3)
     assert result["kernel_backend"] == "cpu" and result["kv_cache_dtype"] == "float32"
     assert result["decode_step_ms_4_bfloat16_kv"] > 0 and result["kv_step_ratio_bf16_over_fp32"] > 0  # side by side
     parts = result["decode_breakdown_ms_4"]

@@ -40,7 +40,7 @@ def test_bench_blocks_json_meets_targets() -> None:
 def test_bench_executor_json_smoke() -> None:
     """The executor benchmark runs both sides and reports every key (its numbers are not asserted: timing)."""
     cmd = [sys.executable, "-m", "pagedserve", "bench", "executor", "--json", "--batches", "1,2", "--new-tokens", "3",
-           "--repeats", "1", "--decode-seqs", "8", "--decode-context", "20"]
+           "--repeats", "1", "--decode-seqs", "8", "--decode-context", "20", "--decode-bound"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600,
                          env={**os.environ, "PYTHONSAFEPATH": "1"})
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -57,6 +57,8 @@ def test_bench_executor_json_smoke() -> None:
     assert result["decode_step_over_matmul_8"] == pytest.approx(
         result["decode_step_ms_8"] / result["decode_matmul_ms_8"], rel=0.25
     )
+    # --decode-bound: the step at context 1, and the bound (its keys computed in tests/engine/test_offline.py)
+    assert result["decode_step_ms_8_context1"] > 0 and result["decode_step_bound_over_matmul_8"] > 0
 
 
 def test_bench_serve_json_smoke(tiny_chat_model_dir: Path, tmp_path: Path) -> None:
