@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "cpu_math.h"
+#include "paged_decode_attention_cpu.h"
 
 /* elements below which a thread team costs more than it saves (torch's own grain size) */
 #define PARALLEL_MIN 32768
@@ -55,26 +56,33 @@ void add_rms_norm_f32(float *x, const float *delta, int64_t delta_stride, const 
     }
 }
 
-/* The "rotate_half" rotation of every head: dimension i pairs with i + head_dim / 2.
- * x [num_tokens, num_heads, head_dim] with tokens `x_stride` floats apart (heads contiguous: a view of the
- * fused QKV output); cos, sin [num_tokens, head_dim / 2] contiguous; out [num_tokens, num_heads, head_dim]. */
+/* The "rotate_half" rotation of one token's heads: dimension i pairs with i + head_dim / 2. x [num_heads, head_dim]
+ * (a row of the fused QKV output), cos, sin [head_dim / 2], out [num_heads, head_dim]. */
+static inline void rotary_token(const float *x, const float *c, const float *s, float *out, int64_t num_heads,
+                                int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < num_heads; h++) {
+        const float *x1 = x + h * head_dim, *x2 = x1 + half;
+        float *o1 = out + h * head_dim, *o2 = o1 + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+            o1[i] = x1[i] * c[i] - x2[i] * s[i];
+            o2[i] = x2[i] * c[i] + x1[i] * s[i];
+        }
+    }
+}
+
+/* rotary_token for every token: x [num_tokens, num_heads, head_dim] with tokens `x_stride` floats apart (heads
+ * contiguous: a view of the fused QKV output); cos, sin [num_tokens, head_dim / 2] contiguous; out [num_tokens,
+ * num_heads, head_dim]. */
 void rotary_f32(const float *x, int64_t x_stride, const float *cos, const float *sin, float *out,
                 int64_t num_tokens, int64_t num_heads, int64_t head_dim, int64_t num_threads) {
     const int64_t half = head_dim / 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static) \
     if (num_tokens * num_heads * head_dim >= PARALLEL_MIN)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const float *c = cos + t * half, *s = sin + t * half;
-        for (int64_t h = 0; h < num_heads; h++) {
-            const float *x1 = x + t * x_stride + h * head_dim, *x2 = x1 + half;
-            float *o1 = out + (t * num_heads + h) * head_dim, *o2 = o1 + half;
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                o1[i] = x1[i] * c[i] - x2[i] * s[i];
-                o2[i] = x2[i] * c[i] + x1[i] * s[i];
-            }
-        }
-    }
+    for (int64_t t = 0; t < num_tokens; t++)
+        rotary_token(x + t * x_stride, cos + t * half, sin + t * half, out + t * num_heads * head_dim, num_heads,
+                     head_dim);
 }
 
 /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, intermediate + i]: the gate's columns first, then up's, rows
@@ -110,52 +118,78 @@ static inline void round_row(uint16_t *out, const float *in, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = to_bf16(in[i]);
 }
 
+/* k_cache/v_cache row `slot` (`row` elements: fp32, or bf16 where `kv_bf16`) = one token's key and value; a
+ * negative slot is padding and skipped. */
+static inline void write_slot(const float *key, const float *value, void *k_cache, void *v_cache, int64_t kv_bf16,
+                              int64_t slot, int64_t row) {
+    if (slot < 0) return;
+    if (kv_bf16) {
+        round_row((uint16_t *)k_cache + slot * row, key, row);
+        round_row((uint16_t *)v_cache + slot * row, value, row);
+    } else {
+        memcpy((float *)k_cache + slot * row, key, sizeof(float) * (size_t)row);
+        memcpy((float *)v_cache + slot * row, value, sizeof(float) * (size_t)row);
+    }
+}
+
+static inline int slots_fit(const int64_t *slots, int64_t num_tokens, int64_t num_slots) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slots[t] >= num_slots) return 0;
+    return 1;
+}
+
 /* k_cache/v_cache row slots[t] (num_kv_heads * head_dim elements: fp32, or bf16 where `kv_bf16`) = key/value
  * token t; rows of key and value `key_stride` / `value_stride` floats apart; a negative slot is padding and
  * skipped. Every slot is checked against the cache before anything is written. */
 int cache_write_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
                     void *k_cache, void *v_cache, int64_t kv_bf16, const int64_t *slots, int64_t num_tokens,
                     int64_t row, int64_t num_slots) {
+    if (!slots_fit(slots, num_tokens, num_slots)) return BAD_SLOT;
     for (int64_t t = 0; t < num_tokens; t++)
-        if (slots[t] >= num_slots) return BAD_SLOT;
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const int64_t slot = slots[t];
-        if (slot < 0) continue;
-        if (kv_bf16) {
-            round_row((uint16_t *)k_cache + slot * row, key + t * key_stride, row);
-            round_row((uint16_t *)v_cache + slot * row, value + t * value_stride, row);
-        } else {
-            memcpy((float *)k_cache + slot * row, key + t * key_stride, sizeof(float) * (size_t)row);
-            memcpy((float *)v_cache + slot * row, value + t * value_stride, sizeof(float) * (size_t)row);
-        }
-    }
+        write_slot(key + t * key_stride, value + t * value_stride, k_cache, v_cache, kv_bf16, slots[t], row);
     return OK;
 }
 
-int paged_decode_attention_f32(const float *q, int64_t q_seq_stride, const void *k_cache, const void *v_cache,
-                               int64_t kv_bf16, int64_t num_blocks, int64_t block_size, const int32_t *block_tables,
-                               int64_t max_blocks, const int32_t *seq_lens, float *out, int64_t num_seqs,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                               int64_t num_threads); /* paged_decode_attention_cpu.c */
+/* What a decode layer does for one sequence before its attention: the rotary embedding of its q and k heads into
+ * qk, then its key (rotated) and value into the cache. */
+typedef struct {
+    const float *qkv, *cos, *sin;
+    float *qk;
+    void *k_cache, *v_cache;
+    const int64_t *slots;
+    int64_t qkv_stride, kv_bf16, num_heads, num_kv_heads, head_dim;
+} LayerInputs;
 
-/* A decode layer's attention after its QKV matmul, in one call: the rotary embedding of q and k (qkv's rows, q
- * heads then k heads then v heads, `qkv_stride` floats apart) into qk [num_seqs, num_heads + num_kv_heads,
- * head_dim], the keys and values into the cache (fp32, or bf16 where `kv_bf16`), then decode attention into out
- * [num_seqs, num_heads, head_dim]: rotary_f32, cache_write_f32 and paged_decode_attention_f32 in that order, so
- * the result is theirs bit for bit. One call instead of three (a call after a GEMM pays for its cold code and data). Returns 0,
- * BAD_SLOT_CODE for a slot past the cache (nothing written), or the attention kernel's error code. */
+static void rotate_and_write(const void *context, int64_t seq) {
+    const LayerInputs *in = context;
+    const int64_t heads = in->num_heads + in->num_kv_heads, half = in->head_dim / 2;
+    const float *x = in->qkv + seq * in->qkv_stride;
+    float *rotated = in->qk + seq * heads * in->head_dim;
+    rotary_token(x, in->cos + seq * half, in->sin + seq * half, rotated, heads, in->head_dim);
+    write_slot(rotated + in->num_heads * in->head_dim, x + heads * in->head_dim, in->k_cache, in->v_cache,
+               in->kv_bf16, in->slots[seq], in->num_kv_heads * in->head_dim);
+}
+
+/* A decode layer's attention after its QKV matmul, in one call and one thread team: for each sequence, on the
+ * thread that then attends for it, the rotary embedding of its q and k (qkv's rows, q heads then k heads then v
+ * heads, `qkv_stride` floats apart) into qk [num_seqs, num_heads + num_kv_heads, head_dim] and its key and value
+ * into the cache (fp32, or bf16 where `kv_bf16`); then decode attention into out [num_seqs, num_heads, head_dim].
+ * The arithmetic is rotary_f32's, cache_write_f32's and paged_decode_attention_f32's, so the result is theirs bit
+ * for bit; each sequence's rows stay in its thread's cache, and a call after a GEMM pays for one team, not two
+ * and a serial write. Returns 0, BAD_SLOT_CODE for a slot past the cache (nothing written), or the attention
+ * kernel's error code. */
 #define BAD_SLOT_CODE 4
 int decode_attention_layer_f32(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin, float *qk,
                                void *k_cache, void *v_cache, int64_t kv_bf16, int64_t num_blocks, int64_t block_size,
                                const int64_t *slots, const int32_t *block_tables, int64_t max_blocks,
                                const int32_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,
                                int64_t num_kv_heads, int64_t head_dim, float scale, int64_t num_threads) {
-    const int64_t heads = num_heads + num_kv_heads, kv_row = num_kv_heads * head_dim;
-    rotary_f32(qkv, qkv_stride, cos, sin, qk, num_seqs, heads, head_dim, num_threads);
-    if (cache_write_f32(qk + num_heads * head_dim, heads * head_dim, qkv + heads * head_dim, qkv_stride, k_cache,
-                        v_cache, kv_bf16, slots, num_seqs, kv_row, num_blocks * block_size) != OK)
-        return BAD_SLOT_CODE;
-    return paged_decode_attention_f32(qk, heads * head_dim, k_cache, v_cache, kv_bf16, num_blocks, block_size,
-                                      block_tables, max_blocks, seq_lens, out, num_seqs, num_heads, num_kv_heads,
-                                      head_dim, scale, num_threads);
+    if (!slots_fit(slots, num_seqs, num_blocks * block_size)) return BAD_SLOT_CODE;
+    const LayerInputs inputs = {qkv, cos, sin, qk, k_cache, v_cache, slots, qkv_stride, kv_bf16, num_heads,
+                                num_kv_heads, head_dim};
+    const SequencePrologue prologue = {rotate_and_write, &inputs};
+    return paged_decode_attention_with_prologue_f32(qk, (num_heads + num_kv_heads) * head_dim, k_cache, v_cache,
+                                                    kv_bf16, num_blocks, block_size, block_tables, max_blocks,
+                                                    seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, scale,
+                                                    num_threads, &prologue);
 }

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "cpu_math.h"
+#include "paged_decode_attention_cpu.h"
 
 int omp_get_num_threads(void); /* libgomp's; declared here so that the build needs no omp.h */
 
@@ -271,7 +272,7 @@ static inline __attribute__((always_inline)) void attend_pass(const HeadPass *h,
         values_plain(h, scores, inverse[0], out, bf16);
 }
 
-int paged_decode_attention_f32(
+int paged_decode_attention_with_prologue_f32(
     const float *q, int64_t q_seq_stride,       /* [num_seqs, num_heads, head_dim], each row's heads contiguous */
     const void *k_cache, const void *v_cache, /* [num_blocks, block_size, num_kv_heads, head_dim] contiguous */
     int64_t kv_bf16,                          /* the caches' elements: 0 fp32, 1 bf16 */
@@ -280,7 +281,8 @@ int paged_decode_attention_f32(
     const int32_t *seq_lens,                         /* [num_seqs] */
     float *out,                                      /* [num_seqs, num_heads, head_dim] contiguous */
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-    int64_t num_threads) /* torch.get_num_threads() of the calling thread: what torch's own ops use there */
+    int64_t num_threads, /* torch.get_num_threads() of the calling thread: what torch's own ops use there */
+    const SequencePrologue *prologue) /* or NULL (paged_decode_attention_cpu.h) */
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row_len = num_kv_heads * head_dim; /* one position: every KV head */
@@ -295,6 +297,10 @@ int paged_decode_attention_f32(
     const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
     const int64_t num_tasks = num_seqs * tasks_per_seq;
     const int team = (int)(num_threads < num_tasks ? num_threads : num_tasks > 0 ? num_tasks : 1);
+    if (prologue != NULL && tasks_per_seq > 1) { /* a sequence's tasks may run on different threads */
+        for (int64_t s = 0; s < num_seqs; s++) prologue->run(prologue->context, s);
+        prologue = NULL;
+    }
     int status = OK;
 #pragma omp parallel num_threads(team)
     {
@@ -314,6 +320,7 @@ int paged_decode_attention_f32(
             const int64_t nq = heads_per_task * group, width = heads_per_task * head_dim; /* the task's heads */
             const int64_t len = seq_lens[s];
             float *o = out + (s * num_heads + h0 * group) * head_dim;
+            if (prologue != NULL) prologue->run(prologue->context, s);
             if (!have_memory || len == 0) { /* attention over nothing is 0 */
                 memset(o, 0, sizeof(float) * (size_t)(nq * head_dim));
                 continue;
@@ -358,4 +365,14 @@ int paged_decode_attention_f32(
         free(rows);
     }
     return status;
+}
+
+int paged_decode_attention_f32(const float *q, int64_t q_seq_stride, const void *k_cache, const void *v_cache,
+                               int64_t kv_bf16, int64_t num_blocks, int64_t block_size, const int32_t *block_tables,
+                               int64_t max_blocks, const int32_t *seq_lens, float *out, int64_t num_seqs,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                               int64_t num_threads) {
+    return paged_decode_attention_with_prologue_f32(q, q_seq_stride, k_cache, v_cache, kv_bf16, num_blocks,
+                                                    block_size, block_tables, max_blocks, seq_lens, out, num_seqs,
+                                                    num_heads, num_kv_heads, head_dim, scale, num_threads, NULL);
 }

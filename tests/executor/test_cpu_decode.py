@@ -9,6 +9,7 @@ every decode step on the cpu backend).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,9 +51,10 @@ def decode_inputs(runner: PagedRunner, tokens: list[int]) -> tuple[torch.Tensor,
     return torch.tensor(tokens), torch.tensor(positions), meta
 
 
-def prefilled(model: LlamaForCausalLM) -> tuple[PagedRunner, list[int]]:
-    runner = PagedRunner(model, num_blocks=64, block_size=BLOCK_SIZE)
-    prompts = random_prompts(PROMPT_LENGTHS, model.config.vocab_size, seed=5)
+def prefilled(model: LlamaForCausalLM, lengths: tuple[int, ...] = PROMPT_LENGTHS,
+              kv_dtype: torch.dtype | None = None) -> tuple[PagedRunner, list[int]]:
+    runner = PagedRunner(model, num_blocks=64, block_size=BLOCK_SIZE, kv_dtype=kv_dtype)
+    prompts = random_prompts(lengths, model.config.vocab_size, seed=5)
     last = [int(logits[-1].argmax()) for logits in prefill_logits(runner, prompts)]
     return runner, last
 
@@ -61,9 +63,22 @@ def copy_caches(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[t
     return [(k.clone(), v.clone()) for k, v in caches]
 
 
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+# With two threads, five sequences are a task each (each sequence's rotary and cache write run on its thread, in the
+# attention's team); one sequence's two KV heads are two tasks (its rotary and cache write run first).
+@pytest.mark.parametrize("lengths", [PROMPT_LENGTHS, (8,)], ids=["5-seqs", "1-seq"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32-cache", "bf16-cache"])
 @torch.inference_mode()
-def test_decode_step_equals_the_generic_layers_bit_for_bit(model: LlamaForCausalLM) -> None:
-    runner, last = prefilled(model)
+def test_decode_step_equals_the_generic_layers_bit_for_bit(model: LlamaForCausalLM, lengths: tuple[int, ...],
+                                                           kv_dtype: torch.dtype, two_threads: None) -> None:
+    runner, last = prefilled(model, lengths, kv_dtype)
     input_ids, positions, meta = decode_inputs(runner, last)
     generic_caches, fast_caches = copy_caches(runner.kv_caches), copy_caches(runner.kv_caches)
     x = model.embed_tokens(input_ids)
