@@ -7,7 +7,7 @@
 #   kernel-tests   the kernel tests compiled for the device (not the interpreter)
 #   kernels        bench kernels: decode bandwidth vs the device's copy bandwidth, vs SDPA on unpaged K/V
 #   model          bench model: SmolLM2 in bf16 and fp16 (Triton kernels) vs HF transformers, greedy + logprobs
-#   executor       bench executor on the GPU (bf16): throughput vs HF generate(), a decode step vs its matmuls
+#   executor       bench executor on the GPU (bf16): throughput vs HF generate(), a decode step vs its matmuls and its bound
 #   serve          bench serve on the GPU: the three-process stack under the ShareGPT-shaped workload
 #   overhead       bench overhead with the real executor on the GPU (64 and 256 sequences), overlapped/serial
 #   overhead-cores bench overhead with the stand-in on this host's many cores (no GPU): the design's own overhead,
@@ -47,7 +47,7 @@ bench() { "$PY" -m pagedserve bench "$@"; }
 step kernel-tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/kernels --ignore=tests/kernels/test_cpu_native.py --ignore=tests/kernels/test_cpu_layer_ops.py
 step kernels 60 bench kernels --json --out "$OUT/kernels.json"
 step model 90 bench model --device cuda --dtypes bfloat16,float16 --json --out "$OUT/model.json"
-step executor 90 bench executor --device cuda --dtype bfloat16 --repeats 1 --json --out "$OUT/executor.json"
+step executor 90 bench executor --device cuda --dtype bfloat16 --repeats 1 --decode-bound --json --out "$OUT/executor.json"
 step serve 120 bench serve --device cuda --json --out "$OUT/serve.json" --plot "$OUT/serve.png"
 step overhead 120 bench overhead --device cuda --seqs 64,256 --json --out "$OUT/overhead.json"
 step overhead-cores 60 bench overhead --seqs 64,256 --step-ms 10,2 --modes overlap --json --out "$OUT/overhead-cores.json"
