@@ -36,8 +36,11 @@ the head of the call carries them all (ledger.py).
 
 So that most steps make no call at all, a call also takes a spare block (Spare) for every such decode that
 will reach its table's end within `spare_lookahead` steps; it enters the spare without an op too. The first
-sequence to reach its table's end without one forces the next call (its Decode), which takes spares for the
-next batch: with 16-token blocks and a lookahead of 8, about one step in nine calls the block manager.
+sequence to take the last free slot of its table without one forces a call, which takes spares for the next
+batch: with 16-token blocks and a lookahead of 8, about one step in eight calls the block manager, and no
+decode needs a Decode. A call of only an Advance, Spares and Frees shapes no row of its step (every decode is
+placed locally), so the step is sent without waiting for the answer, which is applied at the next plan
+(`deferred`): the block manager's work is off the path to the accelerator.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ class PlannedStep:
     routes: list[tuple[Op, list[SequenceState]]]  # each op with the sequences its outcome is about
     answer: PendingAnswer  # the block manager's, to the routes' ops
     local: list[SequenceState]  # decodes into a free slot of their own tail block: no block-manager op
+    deferred: bool = False  # the ops shape no row of the step (Advance, Spare, Free): answer applied next plan
 
 
 @dataclass
@@ -138,6 +142,8 @@ class Scheduler:
         self._last_batch: list[SequenceState] = []  # the last step's sequences if every one sampled, else empty
         self._quiet_steps = 0  # plans to come that need no pass over the running sequences (_plan_quiet)
         self._quiet_running: list[SequenceState] = []  # the running sequences they are about
+        self._unsettled: PlannedStep | None = None  # a deferred call sent, its answer not applied yet (_settle)
+        self._tables_changed = False  # a table grew since the last step was sent: the next names its rows
         self.num_generated = 0  # tokens recorded by `update`, ever (the throughput metric's count)
 
     # ---- requests ------------------------------------------------------------------------------------
@@ -172,7 +178,7 @@ class Scheduler:
         self.running, self.swapped, self.pending, self.starved = [], deque(), [], False
         self.advance.clear()
         self.released = []  # the executor is reset too
-        self._last_batch, self._quiet_steps = [], 0
+        self._last_batch, self._quiet_steps, self._unsettled = [], 0, None  # the sidecars start over: answers void
         for seq in reversed(resumed):
             self._requeue_for_recompute(seq)
         for seq in self.waiting:
@@ -180,6 +186,7 @@ class Scheduler:
 
     def flush(self) -> None:
         """Sends pending frees (and Advances) now (a cancelled request must not hold blocks until the next step)."""
+        self._settle()
         if self.pending or self.advance:
             ops = self.advance.take([(op, []) for op in self.pending])
             self.pending = []
@@ -189,6 +196,11 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def has_deferred_answer(self) -> bool:
+        """A deferred call's answer (spares) is not applied yet: the block manager's tables may be a block ahead."""
+        return self._unsettled is not None
 
     # ---- planning ------------------------------------------------------------------------------------
 
@@ -200,13 +212,17 @@ class Scheduler:
     def apply(self, planned: PlannedStep) -> ScheduledStep | None:
         """The executor's input from the block manager's answer to a planned step. Tokens recorded between
         `plan` and `apply` (the engine collects a step meanwhile) are used; a sequence that finished since
-        is left out (its blocks are freed with the next call)."""
+        is left out (its blocks are freed with the next call). A deferred call's answer is not waited for."""
+        if planned.deferred:
+            self._unsettled = planned
+            return self._apply_answer([], [], planned.local)
         answer = planned.answer.result()
         self.stats = answer.stats
         return self._apply_answer(planned.routes, answer.outcomes, planned.local)
 
     def plan(self) -> PlannedStep | None:
         """Plans the step and sends its ops in one BlockManager call, without waiting for the answer."""
+        self._settle()
         quiet = self._plan_quiet()
         return quiet if quiet is not None else self._plan_full()
 
@@ -227,9 +243,12 @@ class Scheduler:
     def _quiet_steps_after(self, local: list[SequenceState]) -> int:
         """How many plans after this one find `local`, every running sequence, decoding into its own blocks with
         nothing to send: while each has a free slot past the ones planned (a step takes one), and its known
-        tokens (each step adds one, sampled or pending) stay short of its length limit (`_target_len`)."""
+        tokens (each step adds one, sampled or pending) stay short of its length limit (`_target_len`). With
+        spares, the stretch ends one slot earlier: the plan after it finds the tightest sequence at its last free
+        slot, which forces the call that takes its spare (else it would need a Decode a step later)."""
         block_size, max_model_len = self.config.block_size, self.config.max_model_len
-        room = min(len(s.block_table) * block_size - s.num_computed for s in local) - 1
+        margin = 2 if self._spare_lookahead else 1
+        room = min(len(s.block_table) * block_size - s.num_computed for s in local) - margin
         to_limit = min(min(s.request.max_len, max_model_len) - len(s.token_ids) - s.num_pending for s in local) - 1
         return max(0, min(room, to_limit))
 
@@ -250,8 +269,8 @@ class Scheduler:
         local: list[SequenceState] = []
         spare_wanted: list[SequenceState] = []  # local decodes near their table's end, with no spare
         free_estimate = self.stats.num_free_blocks - self._watermark_blocks()
-        block_size, local_decodes = self.config.block_size, self.config.local_decodes
-        lookahead = min(self.config.spare_lookahead, block_size - 1)  # fewer free slots than a block: no spare
+        block_size, local_decodes, lookahead = self.config.block_size, self.config.local_decodes, self._spare_lookahead
+        spare_due = False  # a local decode takes its table's last free slot: its spare cannot wait for a later call
         for seq in self.running:  # every running sequence, every step: the one-token case written out
             num_tokens = min(self._remaining(seq), budget)
             if num_tokens == 0:
@@ -265,6 +284,7 @@ class Scheduler:
                         self.advance.add(seq)  # a prefill chunk's commit: its full blocks join the prefix cache now
                     if room <= lookahead and not seq.request.num_unforked:  # a fork parent may hold no spare
                         spare_wanted.append(seq)
+                        spare_due |= room == 1
                     continue
                 if seq.num_local_slots:
                     self.advance.add(seq)
@@ -303,21 +323,45 @@ class Scheduler:
                 admit = AdmitOp(seq.seq_id, seq.token_ids[:target], self._namespace(seq), chunk)
                 routes.append((admit, [seq]))
                 room, budget, free_estimate = room - 1, budget - chunk, free_estimate - blocks
-        if not routes and not self.advance:
+        # Spares for the decodes that would soon need one, while a block per running sequence stays free besides,
+        # so that the next steps need no call (blocks are taken k steps early): with a call made anyway, or one
+        # that a decode at its last free slot forces.
+        num_spares = min(len(spare_wanted), free_estimate - len(self.running))
+        if not routes and not self.advance and not (spare_due and num_spares > 0):
             if local and len(local) == len(self.running):  # a quiet stretch may start: see _plan_quiet
                 self._quiet_steps, self._quiet_running = self._quiet_steps_after(local), list(self.running)
             return PlannedStep([], Answered(StepAnswer([], self.stats)), local) if local else None
-        # A call is made anyway: spares for the decodes that would soon need one, while a block per running
-        # sequence stays free besides, so that the next steps need no call (blocks are taken k steps early).
-        num_spares = min(len(spare_wanted), free_estimate - len(self.running))
         if num_spares > 0:
             spares = spare_wanted[:num_spares]
             for seq in spares:
                 self.advance.add(seq)  # the block manager checks the spare against the slots it knows
             routes.append((SpareOp([s.seq_id for s in spares]), spares))
         self.released += [op.seq_id for op, _ in routes if isinstance(op, FreeOp)]
+        deferred = all(isinstance(op, SpareOp | FreeOp) for op, _ in routes)  # and the Advance: none shape a row
         ops = self.advance.take(routes)
-        return PlannedStep(routes, self.block_manager.send(ops), local)
+        return PlannedStep(routes, self.block_manager.send(ops), local, deferred)
+
+    @property
+    def _spare_lookahead(self) -> int:
+        return min(self.config.spare_lookahead, self.config.block_size - 1)  # fewer free slots than a block: none
+
+    def _settle(self) -> None:
+        """Applies a deferred call's answer (its spares join their tables) before anything else is planned or
+        sent; its error, if any, is this plan's."""
+        planned, self._unsettled = self._unsettled, None
+        if planned is not None:
+            answer = planned.answer.result()
+            self.stats = answer.stats
+            for (_, seqs), outcome in zip(planned.routes, answer.outcomes, strict=True):
+                self._take_deltas(seqs, outcome)
+
+    def _take_deltas(self, seqs: list[SequenceState], outcome: OpOutcome) -> None:
+        by_id = {s.seq_id: s for s in seqs}
+        for delta in outcome.deltas:
+            if (seq := by_id.get(delta.seq_id)) is not None:
+                # a new list, never changed in place: a step's input holds the table it was sent with
+                seq.block_table = seq.block_table[: delta.keep] + list(delta.append)
+                self._tables_changed = True
 
     def _reserve(self, seq: SequenceState, num_tokens: int) -> list[tuple[Op, list[SequenceState]]]:
         routes: list[tuple[Op, list[SequenceState]]] = []
@@ -340,16 +384,13 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         swap_out: list[tuple[int, int]] = []
         self.starved = False
-        if not routes and self.config.repeat_batches and repeats_last_batch(local, self._last_batch):
+        if not routes and not self._tables_changed and self.config.repeat_batches \
+                and repeats_last_batch(local, self._last_batch):
             return self._repeat(local)
         now = time.monotonic()
         for (op, seqs), outcome in zip(routes, outcomes, strict=True):
             if outcome.deltas:
-                by_id = {s.seq_id: s for s in seqs}
-                for delta in outcome.deltas:
-                    if (seq := by_id.get(delta.seq_id)) is not None:
-                        # a new list, never changed in place: a step's input holds the table it was sent with
-                        seq.block_table = seq.block_table[: delta.keep] + list(delta.append)
+                self._take_deltas(seqs, outcome)
             if outcome.copies or outcome.swap_in or outcome.swap_out:
                 copies += [(c.src, c.dst) for c in outcome.copies]
                 swap_in += [(c.src, c.dst) for c in outcome.swap_in]
@@ -403,6 +444,7 @@ class Scheduler:
             return None  # the releases wait for the next step: an extra one would break LAST_SAMPLED's numbering
         step = StepInput(inputs, swap_out=swap_out, swap_in=swap_in, copies=copies, step_id=next(self._step_ids),
                          released_seq_ids=self._take_released())
+        self._tables_changed = False  # the rows carry every table
         self._last_batch = sampled if len(sampled) == len(inputs) else []
         return ScheduledStep(sampled, step)
 
