@@ -51,6 +51,21 @@ def test_bench_overhead_with_streaming_callers(tiny_chat_model_dir: Path, tmp_pa
     assert result["one_text_for_all_runs"] is True
 
 
+def test_bench_overhead_repeats_report_the_median_run(tiny_chat_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    subprocess.run(
+        [sys.executable, "-m", "pagedserve", "bench", "overhead", "--model", str(tiny_chat_model_dir), "--seqs", "6",
+         "--step-ms", "5", "--tokens", "40", "--modes", "overlap", "--repeats", "3", "--json", "--out", str(out)],
+        check=True, timeout=600, env={**os.environ, "PYTHONSAFEPATH": "1"}, capture_output=True, text=True,
+    )
+    result = json.loads(out.read_text())
+    rounds = result["overhead_frac_6_5ms_rounds"]
+    assert result["repeats"] == 3 and len(rounds) == 3 and rounds == sorted(rounds)
+    assert result["overhead_frac_6_5ms"] == rounds[1]  # the median run's, with the rest of its keys
+    assert 0.0 <= result["cpu_floor_overhead_frac_6_5ms"] <= result["overhead_frac_6_5ms"] + 0.02
+    assert "serial_overhead_frac_6_5ms" not in result and result["one_text_for_all_runs"] is True
+
+
 def test_the_stand_in_samples_by_position_and_checks_last_sampled_as_the_runner_does() -> None:
     runner = StandInRunner(0.0, 100, Timeline())
     token = {position: 1 + position * 7919 % 99 for position in range(8)}  # depends on the position alone
