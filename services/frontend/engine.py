@@ -2,9 +2,10 @@
 
 Overlapped (the default): the executor always has the next step queued behind the one it runs. Each call
 plans step N+2 and sends its block-manager call, collects step N's tokens while the block manager works,
-then applies the answer (leaving out what finished in N) and sends N+2 behind N+1. So neither the block
-manager's round trip nor the frontend's bookkeeping waits on the accelerator, or it on them; tokens reach
-the caller one step later, and a sequence that stops costs one extra computed token (N+1's).
+then applies the answer (leaving out what finished in N) and sends N+2 behind N+1; a call whose answer shapes
+no row of N+2 (spares, catch-ups, frees) is not even waited for: the scheduler applies it at its next plan. So
+neither the block manager's round trip nor the frontend's bookkeeping waits on the accelerator, or it on them;
+tokens reach the caller one step later, and a sequence that stops costs one extra computed token (N+1's).
 Serial (`overlap=False`): plan, run, wait, in lock step.
 It is synchronous: the offline `LLM` calls it in a loop; the server runs it on its own thread.
 """
