@@ -14,8 +14,8 @@ frontend, the block manager and the stand-in spent per step (from /proc), and
 `cpu_floor_overhead_frac_<seqs>_<ms>ms`: the least overhead the machine's `cores` allow that CPU, 1 - (time the
 stand-in held steps) / (the three processes' CPU over the window / cores). Where the overhead is near its floor,
 the machine's cores, not the design's waits, are the limit. A run's window is short (~0.2 s at 256 x 2 ms) and a
-shared machine's hiccups move it: `--repeats N` runs each case N times and reports the run with the median overhead
-(every key of that one run), with every run's overhead, sorted, in `overhead_frac_<seqs>_<ms>ms_rounds`.
+shared machine's hiccups move it: each case runs `--repeats` times (3 by default) and the run with the median overhead
+is reported (every key of that one run), with every run's overhead, sorted, in `overhead_frac_<seqs>_<ms>ms_rounds`.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the frontend's --spare-lookahead (0: no spare blocks, to compare)")
     parser.add_argument("--device", default="", help="run the real executor on this device (cuda) instead of the"
                         " stand-in; --step-ms is then ignored and the keys end in _real")
-    parser.add_argument("--repeats", type=positive_int, default=1,
+    parser.add_argument("--repeats", type=positive_int, default=3,
                         help="runs of each case; the one with the median overhead is reported, every run's in _rounds")
 
 
