@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cores": len(os.sched_getaffinity(0)),
         "repeats": args.repeats,
     }
-    texts = set()
+    texts: set[str] = set()
     step_times = [0.0] if args.device else [float(s) for s in args.step_ms.split(",")]
     for num_seqs in (int(s) for s in args.seqs.split(",")):
         for step_ms in step_times:
