@@ -1,11 +1,13 @@
-"""The packed linear (oneDNN, weight packed once) against fp64 matmuls, and its packed copy never stale."""
+"""The packed linear (oneDNN, weight packed once) against fp64 matmuls, its packed copy never stale, and the few row
+counts it hands oneDNN."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedserve.kernels.linear_ops import PACKED_LINEAR_AVAILABLE, PackedWeight, linear_packed, linear_ref
+from pagedserve.kernels import linear_ops
+from pagedserve.kernels.linear_ops import PACKED_LINEAR_AVAILABLE, PackedWeight, linear_packed, linear_ref, padded_rows
 
 pytestmark = pytest.mark.skipif(not PACKED_LINEAR_AVAILABLE, reason="this torch build has no oneDNN")
 
@@ -34,6 +36,35 @@ def test_any_leading_shape_and_strided_rows() -> None:
     assert torch.allclose(linear_packed(x3, weight, None, packed), x3 @ weight.t(), atol=1e-5)
     columns = seeded(24, 6, seed=3).t()  # [6, 24], not contiguous
     assert torch.allclose(linear_packed(columns, weight, None, packed), columns @ weight.t(), atol=1e-5)
+
+
+def test_rows_are_padded_to_few_sizes_at_little_cost() -> None:
+    """oneDNN keeps memory for every row count it sees (kernels/linear_ops.py): below 2048 rows it sees 72 counts,
+    exact below 16 and at most an eighth more rows than asked for above, never fewer."""
+    sizes = [padded_rows(rows) for rows in range(2049)]
+    assert sizes[:16] == list(range(16))
+    assert all(rows <= size <= rows * 9 / 8 for rows, size in enumerate(sizes))
+    assert sizes == sorted(sizes) and len(set(sizes[1:])) == 72
+    assert all(padded_rows(size) == size for size in sizes)  # a padded count is its own
+
+
+def test_only_padded_row_counts_reach_onednn_and_the_padding_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    real = linear_ops._linear_pointwise
+    assert real is not None
+
+    def recording(x: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(linear_ops, "_linear_pointwise", recording)
+    weight, b, packed = seeded(40, 24, seed=6), seeded(40, seed=7), PackedWeight()
+    for rows in (1, 15, 17, 33, 100, 129, 300):
+        x = seeded(rows, 24, seed=rows)
+        got = linear_packed(x, weight, b, packed)
+        assert got.shape == (rows, 40) and got.is_contiguous()
+        assert torch.allclose(got, x @ weight.t() + b, atol=1e-5)
+    assert seen == [1, 15, 18, 36, 104, 144, 320]
 
 
 def test_packs_once_and_again_when_the_weight_changes() -> None:

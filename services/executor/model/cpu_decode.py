@@ -21,7 +21,7 @@ from ....kernels import KernelBackend
 from ....kernels._common import check_block_tables
 from ....kernels.backend import CPU_BACKEND
 from ....kernels.cpu_native import check_cpu_caches, check_status, native_library
-from ....kernels.linear_ops import linear_packed
+from ....kernels.linear_ops import linear_packed, onednn_linear
 from ..attention import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -105,9 +105,7 @@ def _matmul(backend: KernelBackend) -> Any:
     """The backend's matmul without its per-call checks (the shapes are the model's own, fixed above): oneDNN's
     on the packed weight, or F.linear where torch has no oneDNN."""
     if backend.linear is linear_packed:
-        pointwise = torch.ops.mkldnn._linear_pointwise
-
         def packed(x: torch.Tensor, linear: Any) -> torch.Tensor:
-            return pointwise(x, linear.packed.of(linear.weight), linear.bias, "none", [], "")
+            return onednn_linear(x, linear.packed.of(linear.weight), linear.bias)
         return packed
     return lambda x, linear: F.linear(x, linear.weight, linear.bias)
