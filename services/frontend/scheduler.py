@@ -356,6 +356,8 @@ class Scheduler:
                 self._take_deltas(seqs, outcome)
 
     def _take_deltas(self, seqs: list[SequenceState], outcome: OpOutcome) -> None:
+        if not outcome.deltas:  # most ops change no table: no index of their sequences
+            return
         by_id = {s.seq_id: s for s in seqs}
         for delta in outcome.deltas:
             if (seq := by_id.get(delta.seq_id)) is not None:
@@ -389,8 +391,7 @@ class Scheduler:
             return self._repeat(local)
         now = time.monotonic()
         for (op, seqs), outcome in zip(routes, outcomes, strict=True):
-            if outcome.deltas:
-                self._take_deltas(seqs, outcome)
+            self._take_deltas(seqs, outcome)
             if outcome.copies or outcome.swap_in or outcome.swap_out:
                 copies += [(c.src, c.dst) for c in outcome.copies]
                 swap_in += [(c.src, c.dst) for c in outcome.swap_in]
