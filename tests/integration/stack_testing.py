@@ -34,7 +34,7 @@ class Pod:
                self.address.rsplit(":", 1)[1], "--device", "cpu", "--block-size", "4", "--status-interval", "0.2",
                *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         wait_serving(self.address, 300, self.proc, credentials)  # type: ignore[arg-type]
         self.channel = (grpc.insecure_channel(self.address) if credentials is None
                         else grpc.secure_channel(self.address, credentials))

@@ -342,7 +342,7 @@ def test_pagedserve_health_is_the_exec_probe_of_a_sidecar(server: ServiceProcess
     """Exit 0 while the sidecar serves, 1 with the reason when nothing answers at the address."""
     def health(address: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "pagedserve", "health", address, "--timeout", "2"],
-                              capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONSAFEPATH": "1"})
+                              capture_output=True, text=True, timeout=60)
 
     serving = health(server.address)
     assert serving.returncode == 0 and serving.stdout.strip() == f"{server.address}: SERVING"
@@ -356,7 +356,7 @@ def test_a_block_manager_takes_its_geometry_from_the_executor(tiny_llama_dir: Pa
     executor, address = f"unix:{tmp_path}/executor.sock", f"unix:{tmp_path}/bm.sock"
     block_manager = subprocess.Popen(
         [sys.executable, "-m", "pagedserve", "block-manager", "--geometry-from", executor, "--listen", address],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONSAFEPATH": "1"})
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         with running_service(["executor", "--model", str(tiny_llama_dir), "--device", "cpu", "--block-size", "8",
                               "--num-blocks", "24", "--cpu-swap-mib", "1"], listen=executor):

@@ -34,7 +34,7 @@ KEYS_FILE = f"# test tenants\n{KEY_A} alpha\n{KEY_A_ROTATED} alpha\n{KEY_B} beta
 A, B = [("authorization", f"Bearer {KEY_A}")], [("x-api-key", KEY_B)]
 LONG_PROMPT = "In the beginning the servers trusted every caller, and every cached prefix was shared. " * 6
 MAX_MESSAGE_BYTES = 64 * 1024
-ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
+ENV = dict(os.environ)
 
 
 @pytest.fixture(scope="module")

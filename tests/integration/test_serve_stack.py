@@ -163,7 +163,7 @@ def test_health_reflection_and_client_commands(pod: Pod) -> None:
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         reply = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(iter([request])))
         assert "pagedserve.inference.v1.Inference" in {s.name for s in reply.list_services_response.service}
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    env = dict(os.environ)
     cli = [sys.executable, "-m", "pagedserve"]
     status = subprocess.run([*cli, "status", "--address", pod.address, "--json"], capture_output=True, text=True,
                             check=True, env=env, timeout=120)
@@ -204,7 +204,7 @@ def test_preemption_under_a_tiny_budget_keeps_greedy_output(tiny_chat_model_dir:
 
 def test_serve_refuses_swap_without_a_swap_pool_before_loading_anything() -> None:
     run = subprocess.run([sys.executable, "-m", "pagedserve", "serve", "--preemption-mode", "swap"],
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONSAFEPATH": "1"})
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "needs a CPU swap pool" in run.stderr and "--cpu-swap-mib" in run.stderr
     assert "starting" not in run.stderr
 
@@ -213,7 +213,7 @@ def test_a_frontend_waiting_for_its_sidecars_stops_at_sigterm(tmp_path: Path) ->
     missing = f"unix:{tmp_path}/nothing.sock"  # sidecars that never come: it would wait --sidecar-timeout
     proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "frontend", "--block-manager", missing,
                              "--executor", missing, "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
+                            stderr=subprocess.STDOUT, text=True)
     try:
         assert proc.stdout is not None
         assert "listening on" in proc.stdout.readline()  # up, and in its warm-up
@@ -227,7 +227,7 @@ def test_a_frontend_waiting_for_its_sidecars_stops_at_sigterm(tmp_path: Path) ->
 def test_a_frontend_refuses_a_limit_below_one() -> None:
     run = subprocess.run([sys.executable, "-m", "pagedserve", "frontend", "--block-manager", "unix:/nonexistent",
                           "--executor", "unix:/nonexistent", "--max-waiting-requests", "0"],
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONSAFEPATH": "1"})
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "--max-waiting-requests: must be >= 1, got 0" in run.stderr, run.stderr
 
 
@@ -391,8 +391,7 @@ def test_logprobs_and_chat_client(pod: Pod) -> None:
         assert entry.top_token_ids[0] == entry.token_id  # greedy: the chosen token is the most likely
     assert not pod.generate(PROMPTS[0], max_tokens=2)[0][0].logprobs  # only when asked
     chat = subprocess.run([sys.executable, "-m", "pagedserve", "chat", "--address", pod.address, "--max-tokens", "5"],
-                          input="Hello!\nAnd again?\n", capture_output=True, text=True, timeout=120, check=True,
-                          env={**os.environ, "PYTHONSAFEPATH": "1"})
+                          input="Hello!\nAnd again?\n", capture_output=True, text=True, timeout=120, check=True)
     assert len([line for line in chat.stdout.splitlines() if line.strip()]) == 2  # one reply per message
 
 

@@ -156,14 +156,11 @@ def live_processes_in_groups(groups: set[int]) -> list[int]:
 def kubelet(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kubelet]:
     # a short directory: emptyDirs live under it, and unix socket paths must fit in 108 bytes
     logs_dir = tmp_path_factory.mktemp("kubelet")
-    # not PYTHONSAFEPATH: the script imports kubelet_container from its own folder (which holds no
-    # `operator` to shadow the standard library); its containers get PYTHONSAFEPATH=1 from it
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
     with open(logs_dir / "kubelet.log", "wb") as own_log:
         process = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("local_kubelet.py")), "--node", NODE,
              "--logs", str(logs_dir), "--kubeconfig", cluster.kubeconfig],
-            stdout=own_log, stderr=subprocess.STDOUT, env=env)
+            stdout=own_log, stderr=subprocess.STDOUT)
     handle = Kubelet(logs_dir, process)
     deadline = time.monotonic() + 30
     while "watching pods" not in (own := (logs_dir / "kubelet.log").read_text(errors="replace")):

@@ -188,7 +188,7 @@ class Container(threading.Thread):
     def child_env(self) -> dict[str, str]:
         inherited = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
         credentials = {"KUBECONFIG": self.pod.kubeconfig} if self.pod.kubeconfig else {}
-        child = {**inherited, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1", **credentials, **self.env}
+        child = {**inherited, "PYTHONUNBUFFERED": "1", **credentials, **self.env}
         child["PATH"] = os.pathsep.join([VENV_BIN, child.get("PATH", os.defpath)])
         return child
 

@@ -8,7 +8,7 @@ in the k8s tests, with no container engine. What a container would give and how 
   values is rewritten to the pod IP. A process that binds all interfaces by itself would clash.
 - Image: there is none, so `command` is required; it is looked up on PATH with this Python's bin
   directory first (`pagedserve` is the checkout's console script). The child gets this process's
-  environment (minus KUBECONFIG: a pod has no admin credentials), PYTHONUNBUFFERED=1, PYTHONSAFEPATH=1,
+  environment (minus KUBECONFIG: a pod has no admin credentials), PYTHONUNBUFFERED=1,
   then the container's env on top.
 - Service account: client libraries read a mounted token at fixed paths (/var/run/secrets/...), which
   cannot be rewritten; a pod that automounts its token gets KUBECONFIG instead, a kubeconfig holding its

@@ -77,7 +77,7 @@ class Scenario:
              "--interval", str(INTERVAL_S), "--scrape-timeout", "0.5", "--peering", "pagedserve",
              "--priority", str(priority), "--health-listen", f"127.0.0.1:{self.health_port}"],
             stdout=log, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONSAFEPATH": "1"})
+            env={**os.environ, "KUBECONFIG": str(kubeconfig)})
         self.operators[priority] = operator
         return operator
 

@@ -38,7 +38,7 @@ def test_unknown_backend_is_rejected() -> None:
 
 
 def run_python(code: str, env_overrides: dict[str, str | None]) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONSAFEPATH="1")
+    env = dict(os.environ)
     for key, value in env_overrides.items():
         if value is None:
             env.pop(key, None)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +21,7 @@ def test_bench_overhead_runs_both_modes_and_every_request_reads_the_same(
     subprocess.run(
         [sys.executable, "-m", "pagedserve", "bench", "overhead", "--model", str(tiny_chat_model_dir), "--seqs", "6",
          "--step-ms", "5", "--tokens", "40", "--repeats", "1", "--json", "--out", str(out)],
-        check=True, timeout=600, env={**os.environ, "PYTHONSAFEPATH": "1"}, capture_output=True, text=True,
-    )
+        check=True, timeout=600, capture_output=True, text=True)
     result = json.loads(out.read_text())
     assert "stand-in" in result["executor"]
     for prefix in ("", "serial_"):
@@ -43,8 +41,7 @@ def test_bench_overhead_with_streaming_callers(tiny_chat_model_dir: Path, tmp_pa
         [sys.executable, "-m", "pagedserve", "bench", "overhead", "--model", str(tiny_chat_model_dir), "--seqs", "6",
          "--step-ms", "5", "--tokens", "40", "--modes", "overlap", "--stream", "--repeats", "1", "--json",
          "--out", str(out)],
-        check=True, timeout=600, env={**os.environ, "PYTHONSAFEPATH": "1"}, capture_output=True, text=True,
-    )
+        check=True, timeout=600, capture_output=True, text=True)
     result = json.loads(out.read_text())
     assert 0.0 <= result["overhead_frac_6_5ms_stream"] < 1.0 and result["steps_6_5ms_stream"] >= 10
     assert "overhead_frac_6_5ms" not in result and "serial_overhead_frac_6_5ms_stream" not in result
@@ -57,8 +54,7 @@ def test_bench_overhead_reports_the_median_of_three_runs(tiny_chat_model_dir: Pa
     subprocess.run(
         [sys.executable, "-m", "pagedserve", "bench", "overhead", "--model", str(tiny_chat_model_dir), "--seqs", "6",
          "--step-ms", "5", "--tokens", "40", "--modes", "overlap", "--json", "--out", str(out)],  # 3 by default
-        check=True, timeout=600, env={**os.environ, "PYTHONSAFEPATH": "1"}, capture_output=True, text=True,
-    )
+        check=True, timeout=600, capture_output=True, text=True)
     result = json.loads(out.read_text())
     rounds = result["overhead_frac_6_5ms_rounds"]
     assert result["repeats"] == 3 and len(rounds) == 3 and rounds == sorted(rounds)

@@ -6,18 +6,21 @@ the model and the tokenizer alike) and `save_pretrained` writes the directory. T
 weights digest, `<cache>/<name>-<digest>`, so a re-exported or replaced file gets a new directory. A
 directory is only ever complete: it is written beside its final name and renamed at the end.
 
-    python -m pagedserve.benchmarks.peers.hf_export [MODEL] [--cache-dir DIR]   (prints the directory)
+    python -m pagedserve.benchmarks.hf_export [MODEL] [--cache-dir DIR]   (prints the directory)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
-DEFAULT_CACHE_DIR = Path(__file__).resolve().parent / ".models"
+# beside the CPU kernels' cache (kernels/cpu_native.py), never inside the installed package
+DEFAULT_CACHE_DIR = Path(os.environ.get("PAGEDSERVE_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or
+                         Path.home() / ".cache") / "pagedserve") / "hf-models"
 
 
 def export_hf(model: str = "smollm2-135m", cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:

@@ -14,10 +14,10 @@ for a position depends only on the position, so every mode and run produces the 
 
 from __future__ import annotations
 
-import _operator as operator  # the standard library's (this package has an `operator` of its own)
 import argparse
 import asyncio
 import json
+import operator
 import time
 from itertools import compress, repeat
 from pathlib import Path

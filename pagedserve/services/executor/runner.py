@@ -10,8 +10,8 @@ releases the sequences the block manager freed, and attention is dense over each
 
 from __future__ import annotations
 
-import _operator as operator  # the standard library's (this package has an `operator` of its own)
 import itertools
+import operator
 from collections.abc import Iterable, Sequence
 from itertools import chain, compress, repeat
 

@@ -5,7 +5,7 @@ With `--serve`, the same batch also goes through `pagedserve serve` as unary gRP
 `serve_vs_offline`). All sides get the same prompt token ids (tokenized once, with the model's tokenizer)
 and are timed over the whole call, prefill included, after a small warm-up. HF runs one left-padded static
 batch; vLLM runs in a subprocess under its own venv (benchmarks/peers/setup-vllm.sh) on an HF export of the same weights
-(benchmarks/peers/hf_export.py). Greedy outputs are compared, not asserted: fp32 on identical ids should
+(pagedserve/benchmarks/hf_export.py). Greedy outputs are compared, not asserted: fp32 on identical ids should
 mostly agree, and where two near-tied logits meet, summation order alone can flip a token.
 
 With `--repeats N` the sides take turns N times (ours, HF, then the peer in a fresh process), so a burst of
@@ -35,7 +35,8 @@ from ..services.executor.options import KV_CACHE_DTYPES
 from .executor import TEXTS, bench_hf, bench_ours
 from .report import emit
 
-PEERS_DIR = Path(__file__).resolve().parent / "peers"
+# the peers live in the repository (benchmarks/peers/), never in the wheel: `--peer` runs from a checkout
+PEERS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "peers"
 DEFAULT_VLLM_VENV = PEERS_DIR / ".venv-vllm"
 # how each round over TEXTS is worded, so that every prompt is distinct
 FRAMES = ["{text}", "Continue the text: {text}", "Read this, then go on.\n\n{text}", "Notes, part {round}: {text}"]
@@ -100,7 +101,7 @@ def run_vllm(python: Path, hf_dir: Path, prompts: list[list[int]], new_tokens: i
         cmd = [str(python), str(PEERS_DIR / "vllm_offline.py"), "--model", str(hf_dir), "--prompts", str(prompts_file),
                "--new-tokens", str(new_tokens), "--kv-cache-mib", str(kv_cache_mib), "--repeats", str(repeats),
                *(["--enforce-eager"] if eager else [])]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONSAFEPATH": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         done = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -209,7 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bench_hf(hf, llm.tokenizer, prompts[:2], 4)
     run_peer = None  # one run of the peer on the batch, in a process of its own
     if peer_python is not None:
-        from .peers.hf_export import export_hf
+        from .hf_export import export_hf
 
         run_peer = functools.partial(run_vllm, peer_python, export_hf(args.model), prompts, args.new_tokens,
                                      args.kv_cache_mib, 1, args.peer_eager)

@@ -9,8 +9,8 @@ executor's port fills them in from the batch it holds.
 
 from __future__ import annotations
 
-import _operator as operator  # the standard library's (this package has an `operator` of its own)
 import itertools
+import operator
 from collections.abc import Sequence
 
 from ..executor.step_types import LAST_SAMPLED, SequenceInput, new_row

@@ -37,7 +37,7 @@ def start_service(
 ) -> ServiceProcess:
     """Starts `pagedserve ARGS --listen LISTEN`, waits until it listens (and, by default, is SERVING)."""
     # the child stops by itself if this process dies without stopping it (grpc_server.PARENT_PID_ENV)
-    env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedserve", *args, "--listen", listen],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

@@ -6,7 +6,7 @@ never load torch (only the executor's does). executor.proto carries the same fie
 
 from __future__ import annotations
 
-import _operator as operator  # the standard library's (this package has an `operator` of its own)
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import compress, repeat

@@ -45,8 +45,8 @@ placed locally), so the step is sent without waiting for the answer, which is ap
 
 from __future__ import annotations
 
-import _operator as operator  # the standard library's (this package has an `operator` of its own)
 import itertools
+import operator
 import time
 from collections import deque
 from collections.abc import Sequence

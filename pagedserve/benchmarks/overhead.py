@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _start_stand_in(listen: str, args: list[str]) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "pagedserve.benchmarks.standin_executor", "--listen", listen, *args]
-    env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert proc.stdout is not None
     for line in proc.stdout:  # the servers print "listening on ADDRESS" once bound

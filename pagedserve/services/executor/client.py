@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import _operator as operator  # the standard library's (this package has an `operator` of its own)
+import operator
 from collections.abc import Iterable, Sequence
 from itertools import chain, compress, repeat
 from typing import Any

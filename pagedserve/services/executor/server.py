@@ -9,9 +9,9 @@ executor or its block manager) is refused, or skipped if it was queued already, 
 
 from __future__ import annotations
 
-import _operator as operator  # the standard library's (this package has an `operator` of its own)
 import argparse
 import asyncio
+import operator
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate, chain, compress, repeat
