@@ -4,8 +4,8 @@ static provisioning and the single-metric autoscalers the ecosystem runs.
 The pod (calibration, from this project's measured and default figures; printed under `calibration`):
 - KV blocks: 728 = the CPU pod's default 512 MiB KV budget / 720 KiB a block (SmolLM2-135M in fp32:
   K and V x 30 layers x 3 KV heads x 64 dims x 16 tokens x 4 bytes).
-- Decode speed: `bench executor`, the whole engine (docs/model.md): 22.9, 98.2, 261.5 tok/s at batch
-  1, 8, 32, i.e. 43.7, 81.5, 122.4 ms a step; linear in between, the last slope beyond.
+- Decode speed: `bench executor`, the whole engine on the torch CPU path (docs/operator.md): 22.9, 98.2,
+  261.5 tok/s at batch 1, 8, 32, i.e. 43.7, 81.5, 122.4 ms a step; linear in between, the last slope beyond.
 - Requests: ShareGPT-shaped lengths (`workloads.sharegpt_like`, unscaled: `bench serve` scales them
   down only to keep a CPU run short). A running request holds `mean_blocks_held` blocks on average over
   its decode, so a pod runs c = blocks x (1 - 1 % watermark) / that many at once (at most 64,
@@ -59,7 +59,7 @@ from ..operator.policy import Observation, ScalingPolicy, decide
 from .report import emit
 from .workloads import sharegpt_like
 
-MEASURED_DECODE = ((1, 22.9), (8, 98.2), (32, 261.5))  # (batch, tokens/s): bench executor, docs/model.md
+MEASURED_DECODE = ((1, 22.9), (8, 98.2), (32, 261.5))  # (batch, tokens/s): bench executor, torch CPU path
 KV_BLOCKS_PER_POD = 728  # 512 MiB // (2 * 30 * 3 * 64 * 16 * 4 bytes)
 BLOCK_SIZE, MAX_NUM_SEQS, WATERMARK, MAX_WAITING_PER_POD = 16, 64, 0.01, 256
 TTFT_SLO_S, TPOT_SLO_S = 3.0, 0.3

@@ -64,14 +64,6 @@ class Kube:
         major, minor = (int("".join(c for c in version[key] if c.isdigit()) or 0) for key in ("major", "minor"))
         return (major, minor) >= (1, 24)
 
-    async def deployment(self, namespace: str, name: str) -> Obj | None:
-        try:
-            return await self._call(self.apps.read_namespaced_deployment, name, namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-
     async def pods(self, namespace: str, label_selector: str) -> list[Obj]:
         answer = await self._call(self.core.list_namespaced_pod, namespace, label_selector=label_selector)
         return list(answer.get("items", []))
