@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from hypothesis import event
 from kv_cache_sim import KV, NO_EFFECTS, Effects
 
-from pagedserve.services.block_manager.manager import BlockCopy, BlockTableDelta
+from pagedserve.services.block_manager.contract import BlockCopy, BlockTableDelta
 
 Key = tuple[bytes, tuple[int, ...]]  # (namespace, every token up to the end of the block)
 

@@ -16,7 +16,7 @@ from allocator_model import AllocatorModel
 from hypothesis import event
 from hypothesis import strategies as st
 
-from pagedserve.services.block_manager.step import (
+from pagedserve.services.block_manager.contract import (
     AdmitOp,
     AdvanceOp,
     CommitOp,

@@ -9,8 +9,7 @@ from __future__ import annotations
 from allocator_model import AllocatorModel
 from kv_cache_sim import NO_EFFECTS, Effects, KVCacheSim
 
-from pagedserve.services.block_manager.manager import BlockManager
-from pagedserve.services.block_manager.step import (
+from pagedserve.services.block_manager.contract import (
     AdmitOp,
     AdvanceOp,
     CommitOp,
@@ -24,8 +23,9 @@ from pagedserve.services.block_manager.step import (
     SpareOp,
     SwapInOp,
     SwapOutOp,
-    apply_step,
 )
+from pagedserve.services.block_manager.manager import BlockManager
+from pagedserve.services.block_manager.step import apply_step
 
 HOLDS_BACK = (ReserveOp, DecodeOp, SwapOutOp, SwapInOp)  # from the first of these, freed blocks wait for the next step
 

@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from step_drawing import VOCAB, sealed_message
 from step_following import run_step
 
-from pagedserve.services.block_manager.manager import MAX_UNTOLD_SLOTS, NO_TOKEN, BlockCopy, BlockManager
-from pagedserve.services.block_manager.step import (
+from pagedserve.services.block_manager.contract import (
+    MAX_UNTOLD_SLOTS,
+    NO_TOKEN,
     AdmitOp,
+    BlockCopy,
     CommitOp,
     CreateOp,
     DecodeOp,
@@ -27,8 +29,9 @@ from pagedserve.services.block_manager.step import (
     ReserveOp,
     SwapInOp,
     SwapOutOp,
-    apply_step,
 )
+from pagedserve.services.block_manager.manager import BlockManager
+from pagedserve.services.block_manager.step import apply_step
 
 namespaces = stateful.namespaces
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from pagedserve.services.block_manager.manager import BlockCopy, BlockManager, BlockTableDelta
+from pagedserve.services.block_manager.contract import BlockCopy, BlockTableDelta
+from pagedserve.services.block_manager.manager import BlockManager
 from pagedserve.services.block_manager.prefix_hash import block_hash, cache_namespace
 
 NS_A = cache_namespace(model="m", tokenizer="t", chat_template="c", adapter="", kv_dtype="fp32",
@@ -245,7 +246,8 @@ def test_admit_reserves_first_chunk_after_prefix_hits_or_changes_nothing() -> No
 def test_blocks_freed_in_a_step_are_handed_out_only_after_it() -> None:
     """The executor applies a step's copies and swaps before its writes: a block freed in a step after a
     copy or swap could be read, and handed out in the same step, could be overwritten before it is read."""
-    from pagedserve.services.block_manager.step import AdmitOp, FreeOp, ReserveOp, apply_step
+    from pagedserve.services.block_manager.contract import AdmitOp, FreeOp, ReserveOp
+    from pagedserve.services.block_manager.step import apply_step
 
     m = BlockManager(num_blocks=4, block_size=2)
     fill(m, 1, [1, 2, 3])  # blocks 0, 1
@@ -261,7 +263,8 @@ def test_blocks_freed_in_a_step_are_handed_out_only_after_it() -> None:
 
 
 def test_reviving_a_held_back_cached_block_takes_no_free_block() -> None:
-    from pagedserve.services.block_manager.step import AdmitOp, FreeOp, ReserveOp, apply_step
+    from pagedserve.services.block_manager.contract import AdmitOp, FreeOp, ReserveOp
+    from pagedserve.services.block_manager.step import apply_step
 
     m = BlockManager(num_blocks=4, block_size=2, watermark=0.0)
     apply_step(m, [AdmitOp(1, [1, 2, 3], NS_A, 3), AdmitOp(2, [9], NS_A, 1)])
@@ -276,7 +279,8 @@ def test_reviving_a_held_back_cached_block_takes_no_free_block() -> None:
 
 
 def test_an_advance_crosses_from_the_tail_into_the_spare() -> None:
-    from pagedserve.services.block_manager.step import AdvanceOp, ForkOp, InvalidStep, apply_step
+    from pagedserve.services.block_manager.contract import AdvanceOp, ForkOp, InvalidStep
+    from pagedserve.services.block_manager.step import apply_step
 
     m = BlockManager(num_blocks=8, block_size=4)
     fill(m, 1, [1, 2, 3])  # block 0, 3 slots
@@ -343,7 +347,8 @@ def test_a_refused_swap_out_keeps_the_spare() -> None:
 
 
 def test_a_spare_is_refused_when_only_watermark_blocks_are_left() -> None:
-    from pagedserve.services.block_manager.step import DecodeOp, SpareOp, apply_step
+    from pagedserve.services.block_manager.contract import DecodeOp, SpareOp
+    from pagedserve.services.block_manager.step import apply_step
 
     m = BlockManager(num_blocks=4, block_size=4, watermark=0.25)  # 1 block held back
     fill(m, 1, [1, 2, 3])  # block 0
@@ -413,7 +418,7 @@ def test_spare_misuse_raises_and_changes_nothing() -> None:
 
 
 def test_a_step_names_a_spare_s_sequence_only_in_its_advance_before_it_and_in_nothing_after() -> None:
-    from pagedserve.services.block_manager.step import (
+    from pagedserve.services.block_manager.contract import (
         AdvanceOp,
         CommitOp,
         DecodeOp,
@@ -423,8 +428,8 @@ def test_a_step_names_a_spare_s_sequence_only_in_its_advance_before_it_and_in_no
         Op,
         ReserveOp,
         SpareOp,
-        apply_step,
     )
+    from pagedserve.services.block_manager.step import apply_step
 
     m = BlockManager(num_blocks=8, block_size=4)
     fill(m, 1, [1, 2, 3, 4, 5])  # blocks 0, 1: 5 slots, its own partial tail
@@ -462,7 +467,8 @@ def test_a_step_names_a_spare_s_sequence_only_in_its_advance_before_it_and_in_no
 def test_a_fork_of_a_sequence_swapped_in_by_the_step_is_not_swapped_out_in_it() -> None:
     """The child shares the blocks the step's swap-in writes, and the executor runs a step's swap-outs before its
     swap-ins: swapped out in the same step, the child's CPU copy would be stale."""
-    from pagedserve.services.block_manager.step import ForkOp, InvalidStep, SwapInOp, SwapOutOp, apply_step
+    from pagedserve.services.block_manager.contract import ForkOp, InvalidStep, SwapInOp, SwapOutOp
+    from pagedserve.services.block_manager.step import apply_step
 
     m = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=4)
     fill(m, 1, [1, 2, 3])

@@ -23,9 +23,10 @@ from kv_cache_sim import KVCacheSim
 from step_drawing import UNKNOWN_SEQ, VOCAB, StepDrawer
 from step_following import run_step
 
+from pagedserve.services.block_manager.contract import AdmitOp, CommitOp, InvalidStep, Op, OpOutcome, SwapOutOp
 from pagedserve.services.block_manager.manager import BlockManager
 from pagedserve.services.block_manager.prefix_hash import block_hash, cache_namespace
-from pagedserve.services.block_manager.step import AdmitOp, CommitOp, InvalidStep, Op, OpOutcome, SwapOutOp, apply_step
+from pagedserve.services.block_manager.step import apply_step
 
 MONOTONIC = ("prefix_cache_queries", "prefix_cache_hits", "num_cow_copies", "num_swapped_out_blocks",
              "num_swapped_in_blocks", "num_evictions")

@@ -3,23 +3,36 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
-from .manager import MAX_UNTOLD_SLOTS
-from .stats import filled_slots
+from ..common.kv_geometry import blocks_for
+from .block_pool import BlockPool
+from .contract import MAX_UNTOLD_SLOTS
+from .cpu_pool import CpuBlockPool
+from .sequence import SequenceState
 
-if TYPE_CHECKING:
-    from .manager import BlockManager
+
+def filled_slots(seqs: Mapping[int, SequenceState], block_size: int) -> int:
+    """Token slots in use, each shared block counted once (with its fullest holder's count)."""
+    filled: dict[int, int] = {}
+    for seq in seqs.values():
+        for i, block in enumerate(seq.block_table):
+            count = min(block_size, seq.num_slots - i * block_size)
+            if count > filled.get(block.block_id, 0):
+                filled[block.block_id] = count
+    return sum(filled.values())
 
 
-def check_integrity(manager: BlockManager) -> None:
-    pool, bs = manager.pool, manager.block_size
+def check_integrity(seqs: Mapping[int, SequenceState], pool: BlockPool, cpu: CpuBlockPool, bs: int,
+                    num_swapped_sequences: int) -> None:
+    """A block manager's sequences, pools, block size and count of swapped sequences (BlockManager.check_integrity
+    passes its own) agree with each other; an AssertionError names what does not."""
     refs: Counter[int] = Counter()
     cpu_refs: Counter[int] = Counter()
-    num_swapped = sum(seq.cpu_table is not None for seq in manager.seqs.values())
-    assert manager.num_swapped_sequences == num_swapped, (
-        f"{manager.num_swapped_sequences} sequences counted as swapped out, {num_swapped} are")
-    for seq_id, seq in manager.seqs.items():
+    num_swapped = sum(seq.cpu_table is not None for seq in seqs.values())
+    assert num_swapped_sequences == num_swapped, (
+        f"{num_swapped_sequences} sequences counted as swapped out, {num_swapped} are")
+    for seq_id, seq in seqs.items():
         assert seq.seq_id == seq_id, f"sequence stored under {seq_id} calls itself {seq.seq_id}"
         assert seq.num_computed <= seq.num_slots <= len(seq.token_ids) + MAX_UNTOLD_SLOTS, (
             f"seq {seq_id}: computed {seq.num_computed} <= slots {seq.num_slots} <= tokens"
@@ -28,7 +41,7 @@ def check_integrity(manager: BlockManager) -> None:
         assert len(seq.block_hashes) == min(seq.num_computed, len(seq.token_ids)) // bs, (
             f"seq {seq_id}: {len(seq.block_hashes)} block keys for {seq.num_computed} computed tokens"
         )
-        expected_blocks = -(-seq.num_slots // bs)
+        expected_blocks = blocks_for(seq.num_slots, bs)
         if seq.cpu_table is not None:
             assert not seq.block_table, f"seq {seq_id} is swapped out but holds device blocks"
             assert len(seq.cpu_table) == expected_blocks, f"seq {seq_id}: cpu table length is wrong"
@@ -66,11 +79,10 @@ def check_integrity(manager: BlockManager) -> None:
     cached_free = sum(1 for b in pool.blocks if b.ref_count == 0 and b.block_hash is not None)
     assert cached_free == pool.num_cached_free, f"{cached_free} cached free blocks, counter says {pool.num_cached_free}"
 
-    assert pool.num_filled_used == filled_slots(manager), (
-        f"filled-slot counter {pool.num_filled_used} != {filled_slots(manager)} counted from block tables"
+    assert pool.num_filled_used == filled_slots(seqs, bs), (
+        f"filled-slot counter {pool.num_filled_used} != {filled_slots(seqs, bs)} counted from block tables"
     )
 
-    cpu = manager.cpu_pool
     free_cpu = cpu.free_ids()
     assert len(free_cpu) == len(set(free_cpu)) == cpu.num_free_blocks
     for cpu_id, count in enumerate(cpu.ref_counts):

@@ -9,87 +9,30 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
+from ..common.kv_geometry import blocks_for, slot
 from .block_pool import BlockPool, KVBlock
+from .contract import (
+    NO_TOKEN,
+    BlockCopy,
+    BlockStats,
+    BlockTableDelta,
+)
 from .cpu_pool import CpuBlockPool
+from .integrity import check_integrity
+from .op_checks import advance_problem, fork_problem, holds_spare, next_slot_is_shared, spare_problem
 from .prefix_hash import block_hash
-from .stats import BlockStats, collect_stats
-
-
-class BlockTableDelta(NamedTuple):
-    """table_after = table_before[:keep] + append (device block ids)."""
-
-    seq_id: int
-    keep: int
-    append: tuple[int, ...]
-
-
-class BlockCopy(NamedTuple):
-    src: int
-    dst: int
-    num_slots: int  # leading token slots that hold data
-
-
-class CreateResult(NamedTuple):
-    num_cached_tokens: int
-    delta: BlockTableDelta
-
-
-class Admission(NamedTuple):
-    granted: bool
-    num_cached_tokens: int  # prompt tokens served by the prefix cache
-    num_tokens: int  # tokens reserved after them
-    slot_mapping: list[int]
-    delta: BlockTableDelta | None  # the whole new table (keep 0)
-
-
-class Reservation(NamedTuple):
-    granted: bool
-    slot_mapping: list[int]  # [num_tokens], block_id * block_size + offset
-    copies: list[BlockCopy]  # copy-on-write, to apply before the forward pass
-    delta: BlockTableDelta | None  # None when the table did not change
-
-
-class DecodeResult(NamedTuple):
-    slot_mapping: list[int]  # one per granted sequence, in order
-    copies: list[BlockCopy]
-    deltas: list[BlockTableDelta]
-    refused_seq_ids: list[int]
-
-
-class SwapResult(NamedTuple):
-    granted: bool
-    copies: list[BlockCopy]  # swap out: device -> cpu ids; swap in: cpu -> device ids
-    deltas: list[BlockTableDelta]
-
-
-NO_TOKEN = -1  # decode: the new slot is for the token the step in flight samples (overlapped steps)
-# Slots a sequence may hold whose tokens it has not been told: those that the two steps in flight sample (the
-# frontend plans step N+2 and makes this call while N runs and N+1 waits behind it).
-MAX_UNTOLD_SLOTS = 2
-
-REFUSED_RESERVATION = Reservation(False, [], [], None)
-REFUSED_ADMISSION = Admission(False, 0, 0, [], None)
-REFUSED_SWAP = SwapResult(False, [], [])
-
-
-@dataclass(eq=False)
-class SequenceState:
-    seq_id: int
-    namespace: bytes
-    token_ids: list[int]  # known tokens; with overlap, the last slot's token may be unknown yet (see decode)
-    block_table: list[KVBlock] = field(default_factory=list)
-    num_slots: int = 0  # tokens with a reserved slot (KV stored or about to be): <= len(token_ids) + 2
-    # block_table covers the slots, plus at most one empty block past them: a spare (see BlockManager.spare)
-    num_computed: int = 0  # tokens whose KV the executor has stored
-    block_hashes: list[bytes] = field(default_factory=list)  # keys of the full computed blocks
-    cpu_table: list[int] | None = None  # cpu block ids while swapped out
-
-    @property
-    def is_swapped(self) -> bool:
-        return self.cpu_table is not None
+from .results import (
+    REFUSED_ADMISSION,
+    REFUSED_RESERVATION,
+    REFUSED_SWAP,
+    Admission,
+    CreateResult,
+    DecodeResult,
+    Reservation,
+    SwapResult,
+)
+from .sequence import SequenceState
 
 
 class BlockManager:
@@ -126,23 +69,17 @@ class BlockManager:
     def num_blocks_to_reserve(self, seq: SequenceState, num_tokens: int) -> int:
         """Free blocks a reservation of num_tokens would take: new tail blocks (past a spare) plus a copy-on-write."""
         bs = self.block_size
-        num_new = max(0, -(-(seq.num_slots + num_tokens) // bs) - len(seq.block_table))
-        writes_shared_tail = (
-            num_tokens > 0 and seq.num_slots % bs != 0 and seq.block_table[seq.num_slots // bs].ref_count > 1
-        )
+        num_new = max(0, blocks_for(seq.num_slots + num_tokens, bs) - len(seq.block_table))
+        writes_shared_tail = num_tokens > 0 and next_slot_is_shared(seq.block_table, seq.num_slots, bs)
         return num_new + int(writes_shared_tail)
 
     def has_spare(self, seq: SequenceState) -> bool:
         """Whether the table holds a block past the sequence's slots (see `spare`)."""
-        return len(seq.block_table) * self.block_size - seq.num_slots >= self.block_size
-
-    def can_reserve(self, seq_id: int, num_tokens: int, admission: bool = False) -> bool:
-        seq = self.get(seq_id)
-        return self.num_blocks_to_reserve(seq, num_tokens) <= self._budget(admission)
+        return holds_spare(len(seq.block_table), seq.num_slots, self.block_size)
 
     def can_admit(self, num_tokens: int) -> bool:
         """Whether a new sequence's first num_tokens fit above the watermark (prefix hits ignored)."""
-        return -(-num_tokens // self.block_size) <= self._budget(admission=True)
+        return blocks_for(num_tokens, self.block_size) <= self._budget(admission=True)
 
     def _budget(self, admission: bool) -> int:
         return self.pool.num_free_blocks - (self.watermark_blocks if admission else 0)
@@ -173,7 +110,7 @@ class BlockManager:
         cached = len(hits) * self.block_size
         num_tokens = min(max_tokens, len(token_ids) - cached)
         revived = sum(1 for block, _ in hits if self.pool.in_free_queue(block))
-        new_blocks = -(-(cached + num_tokens) // self.block_size) - len(hits)
+        new_blocks = blocks_for(cached + num_tokens, self.block_size) - len(hits)
         if revived + new_blocks > self._budget(admission=True):
             return REFUSED_ADMISSION
         created = self.create(seq_id, token_ids, namespace)
@@ -206,8 +143,9 @@ class BlockManager:
         parent = self._resident(parent_id)
         if child_id in self.seqs:
             raise ValueError(f"fork: child sequence {child_id} already exists")
-        if self.has_spare(parent):
-            raise ValueError(f"fork: parent sequence {parent_id} holds a spare block (a spare is never shared)")
+        problem = fork_problem(parent_id, parent.block_table, parent.num_slots, self.block_size)
+        if problem:
+            raise ValueError(f"fork: parent {problem}")
         for block in parent.block_table:
             self.pool.acquire(block)
         self.seqs[child_id] = SequenceState(
@@ -242,7 +180,8 @@ class BlockManager:
         flight samples, told by a later decode: a sequence holds at most MAX_UNTOLD_SLOTS slots whose tokens
         are unknown (NO_TOKEN is valid only below that), and only blocks whose tokens are all known are hashed.
         The commit always applies; a sequence whose reservation is refused is listed and unchanged.
-        Written out inline (no per-sequence result objects): it runs for every running sequence every step."""
+        Written out inline (no per-sequence result objects, kv_geometry's slot formula and the shared-tail rule of
+        op_checks inline too): it runs for every running sequence every step, where a call per sequence costs."""
         if len(seq_ids) != len(token_ids):
             raise ValueError(f"decode: {len(seq_ids)} sequences but {len(token_ids)} tokens")
         pool, bs, seqs = self.pool, self.block_size, self.seqs
@@ -283,7 +222,7 @@ class BlockManager:
             seq.num_slots = num_slots + 1
             if offset + 1 > block.num_filled:
                 pool.fill(block, offset + 1)
-            result.slot_mapping.append(block.block_id * bs + offset)
+            result.slot_mapping.append(block.block_id * bs + offset)  # kv_geometry.slot
         return result
 
     def advance(self, seq_id: int, num_slots: int, append_token_ids: Sequence[int] = ()) -> None:
@@ -293,17 +232,13 @@ class BlockManager:
         never refused."""
         seq, bs = self._resident(seq_id), self.block_size
         end, table = seq.num_slots + num_slots, seq.block_table
-        if num_slots < 0 or end > len(table) * bs:
-            raise ValueError(f"advance: sequence {seq_id} has {seq.num_slots} slots in {len(table)} blocks of {bs};"
-                             f" {num_slots} more do not fit in its tail block and spare")
-        if num_slots and table[seq.num_slots // bs].ref_count > 1:
-            raise ValueError(f"advance: sequence {seq_id}'s tail block is shared; its slots need a Decode")
-        if end - len(seq.token_ids) - len(append_token_ids) > MAX_UNTOLD_SLOTS:
-            raise ValueError(f"advance: sequence {seq_id} would hold more than {MAX_UNTOLD_SLOTS} slots for tokens"
-                             " not told yet")
+        num_known = len(seq.token_ids) + len(append_token_ids)
+        problem = advance_problem(seq_id, table, seq.num_slots, num_slots, num_known, bs)
+        if problem:
+            raise ValueError(f"advance: {problem[1]}")
         seq.token_ids.extend(append_token_ids)
         if num_slots:
-            for i in range(seq.num_slots // bs, -(-end // bs)):
+            for i in range(seq.num_slots // bs, blocks_for(end, bs)):
                 self.pool.fill(table[i], min(bs, end - i * bs))
             seq.num_slots = end
         seq.num_computed = end
@@ -322,10 +257,9 @@ class BlockManager:
             raise ValueError(f"spare: duplicate sequence ids in {list(seq_ids)}")
         for seq_id in seq_ids:
             seq = self._resident(seq_id)
-            if self.has_spare(seq):
-                raise ValueError(f"spare: sequence {seq_id} holds a spare already")
-            if seq.num_slots % bs and seq.block_table[-1].ref_count > 1:
-                raise ValueError(f"spare: sequence {seq_id}'s tail block is shared; its next slot needs a Decode")
+            problem = spare_problem(seq_id, seq.block_table, seq.num_slots, bs)
+            if problem:
+                raise ValueError(f"spare: {problem}")
         deltas: list[BlockTableDelta | None] = []
         for seq_id in seq_ids:
             if not self.can_spare():
@@ -338,24 +272,25 @@ class BlockManager:
 
     def _grow(self, seq: SequenceState, num_tokens: int) -> Reservation:
         """Reserves slots for the next num_tokens known tokens; the caller has checked the budget."""
-        bs, table = self.block_size, seq.block_table
+        bs, table, start = self.block_size, seq.block_table, seq.num_slots
         keep = len(table)
         copies: list[BlockCopy] = []
-        if num_tokens > 0 and seq.num_slots % bs != 0 and table[-1].ref_count > 1:  # shared: so it holds no spare
-            shared = table[-1]
-            private = self.pool.allocate()
-            copies.append(BlockCopy(shared.block_id, private.block_id, seq.num_slots % bs))
-            self.pool.fill(private, seq.num_slots % bs)
+        if num_tokens > 0 and next_slot_is_shared(table, start, bs):  # the last block: a shared tail has no spare
+            tail = start // bs
+            shared, private = table[tail], self.pool.allocate()
+            copies.append(BlockCopy(shared.block_id, private.block_id, start % bs))
+            self.pool.fill(private, start % bs)
             self.pool.release(shared)
-            table[-1] = private
-            keep -= 1
+            table[tail], keep = private, tail
             self.num_cow_copies += 1
-        end = seq.num_slots + num_tokens
+        end = start + num_tokens
         while len(table) * bs < end:
             table.append(self.pool.allocate())
-        slot_mapping = [table[p // bs].block_id * bs + p % bs for p in range(seq.num_slots, end)]
-        for i in range(seq.num_slots // bs, -(-end // bs)):
-            self.pool.fill(table[i], min(bs, end - i * bs))
+        slot_mapping: list[int] = []
+        for i in range(start // bs, blocks_for(end, bs)):  # per block: its slots are consecutive
+            first, last = max(start - i * bs, 0), min(end - i * bs, bs)  # offsets of the reserved slots in it
+            slot_mapping.extend(range(slot(table[i].block_id, first, bs), slot(table[i].block_id, last, bs)))
+            self.pool.fill(table[i], last)
         seq.num_slots = end
         delta = None
         if keep != len(table):
@@ -389,7 +324,7 @@ class BlockManager:
         seqs = self._distinct(seq_ids, swapped=False)
         src_slots: dict[int, int] = {}  # device block id -> valid slots
         for seq in seqs:
-            for i, block in enumerate(seq.block_table[: -(-seq.num_slots // self.block_size)]):  # not its spare
+            for i, block in enumerate(seq.block_table[: blocks_for(seq.num_slots, self.block_size)]):  # not its spare
                 filled = min(self.block_size, seq.num_slots - i * self.block_size)
                 src_slots[block.block_id] = max(src_slots.get(block.block_id, 0), filled)
         if len(src_slots) > self.cpu_pool.num_free_blocks:
@@ -465,12 +400,35 @@ class BlockManager:
         self.cpu_pool.reset()
 
     def stats(self) -> BlockStats:
-        return collect_stats(self)
+        pool, queries = self.pool, self.prefix_queries
+        used = pool.num_blocks - pool.num_free_blocks
+        return BlockStats(
+            block_size=self.block_size,
+            num_total_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_used_blocks=used,
+            num_cached_blocks=pool.num_cached_free,
+            num_cpu_blocks=self.cpu_pool.num_blocks,
+            num_free_cpu_blocks=self.cpu_pool.num_free_blocks,
+            num_sequences=len(self.seqs),
+            num_swapped_sequences=self.num_swapped_sequences,
+            block_pressure=used / pool.num_blocks,
+            block_pressure_with_cached=(used + pool.num_cached_free) / pool.num_blocks,
+            kv_utilization=pool.num_filled_used / (used * self.block_size) if used else 0.0,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=self.prefix_hits,
+            prefix_hit_rate=self.prefix_hits / queries if queries else 0.0,
+            num_cow_copies=self.num_cow_copies,
+            num_swapped_out_blocks=self.num_swapped_out_blocks,
+            num_swapped_in_blocks=self.num_swapped_in_blocks,
+            num_evictions=pool.num_evictions,
+            watermark=self.watermark,
+            instance_id=self.instance_id,
+        )
 
     def check_integrity(self) -> None:
-        from .integrity import check_integrity
-
-        check_integrity(self)
+        """Recomputes every invariant from scratch and asserts it (slow: for tests and soak runs)."""
+        check_integrity(self.seqs, self.pool, self.cpu_pool, self.block_size, self.num_swapped_sequences)
 
     # ---- helpers -------------------------------------------------------------------------------------
 

@@ -20,86 +20,11 @@ from ..common.addresses import add_allow_remote_argument, check_sidecar_listen
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from ..common.processes import wait_serving
 from ..common.tracing import message_span
-from .client import STEP_METHOD
-from .manager import BlockCopy, BlockManager
-from .stats import BlockStats
-from .step import (
-    AdmitOp,
-    AdvanceOp,
-    CommitOp,
-    CreateOp,
-    DecodeOp,
-    ForkOp,
-    FreeOp,
-    InvalidStep,
-    Op,
-    OpOutcome,
-    ReserveOp,
-    SpareOp,
-    SwapInOp,
-    SwapOutOp,
-    apply_step,
-)
+from .codec import SERVICE_NAME, STEP_METHOD, answer_to_proto, op_from_proto, stats_to_proto
+from .manager import BlockManager
+from .step import apply_step
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
-
-
-def op_from_proto(index: int, op: pb.Op) -> Op:
-    kind = op.WhichOneof("kind")
-    if kind == "reserve":
-        r = op.reserve
-        return ReserveOp(r.seq_id, r.num_tokens, r.append_token_ids, r.admission)
-    if kind == "decode":
-        return DecodeOp(list(op.decode.seq_ids), list(op.decode.token_ids))
-    if kind == "commit":
-        return CommitOp(op.commit.seq_id, op.commit.num_computed_tokens)
-    if kind == "advance":
-        advance = op.advance
-        return AdvanceOp(advance.seq_ids, advance.num_slots, advance.num_tokens, advance.token_ids)
-    if kind == "spare":
-        return SpareOp(op.spare.seq_ids)
-    if kind == "create":
-        return CreateOp(op.create.seq_id, op.create.token_ids, op.create.cache_namespace)
-    if kind == "admit":
-        a = op.admit
-        return AdmitOp(a.seq_id, a.token_ids, a.cache_namespace, a.num_tokens)
-    if kind == "free":
-        return FreeOp(op.free.seq_id)
-    if kind == "fork":
-        return ForkOp(op.fork.parent_seq_id, op.fork.child_seq_id)
-    if kind == "swap_out":
-        return SwapOutOp(op.swap_out.seq_ids)
-    if kind == "swap_in":
-        return SwapInOp(op.swap_in.seq_ids)
-    raise InvalidStep(f"ops[{index}]: no operation set")
-
-
-def _copies(copies: list[BlockCopy]) -> list[pb.BlockCopy]:
-    return [pb.BlockCopy(src=c.src, dst=c.dst, num_slots=c.num_slots) for c in copies]
-
-
-def outcome_to_proto(outcome: OpOutcome) -> pb.OpResult:
-    if not outcome.granted:
-        return pb.OpResult(status=pb.REFUSED, reason=outcome.reason)
-    result = pb.OpResult(
-        status=pb.GRANTED, slot_mapping=outcome.slot_mapping, num_cached_tokens=outcome.num_cached_tokens
-    )
-    for delta in outcome.deltas:
-        result.deltas.add(seq_id=delta.seq_id, keep=delta.keep, append=delta.append)
-    if outcome.copies:
-        result.copies.extend(_copies(outcome.copies))
-    if outcome.swap_out:
-        result.swap_out.extend(_copies(outcome.swap_out))
-    if outcome.refused_seq_ids:
-        result.refused_seq_ids.extend(outcome.refused_seq_ids)
-    if outcome.swap_in:
-        result.swap_in.extend(_copies(outcome.swap_in))
-    return result
-
-
-def stats_to_proto(stats: BlockStats) -> pb.Stats:
-    return pb.Stats(**vars(stats))
 
 
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):
@@ -119,9 +44,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         outcomes = apply_step(self.manager, ops)
         if self.check_integrity:
             self.manager.check_integrity()  # an AssertionError: INTERNAL, and the frontend fails its requests
-        return pb.StepResponse(
-            results=[outcome_to_proto(o) for o in outcomes], stats=stats_to_proto(self.manager.stats())
-        )
+        return answer_to_proto(outcomes, self.manager.stats())
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return pb.StatsResponse(stats=stats_to_proto(self.manager.stats()))

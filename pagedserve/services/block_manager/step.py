@@ -1,113 +1,42 @@
-"""One scheduler step's worth of block-manager operations, validated as a whole and then applied in order.
+"""One scheduler step's worth of block-manager operations (contract.py), validated as a whole and then applied in
+order.
 
 The whole batch is validated against a shadow of the sequences it touches before anything changes, so a
 malformed batch raises `InvalidStep` (naming the op and field) with no effect. A shortage of blocks is a
 per-op refusal; once an op on a sequence is refused, later ops on that sequence in the same step are
 refused too (they were planned assuming it succeeded), except Free, which always applies. An Advance reads
-its sequences' tables as they were before the step, so no earlier op of the step may name them.
+its sequences' tables as they were before the step, so no earlier op of the step may name them. The checks of an
+op against a sequence's table are op_checks.py's, which the manager runs too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
-from ..common.errors import InvalidRequest
-from .manager import MAX_UNTOLD_SLOTS, NO_TOKEN, BlockCopy, BlockManager, BlockTableDelta
-from .stats import BlockStats
-
-MIN_NAMESPACE_BYTES, MAX_NAMESPACE_BYTES = 8, 64
-MAX_TOKEN_ID = 2**31 - 1
-
-
-class InvalidStep(InvalidRequest):
-    """A malformed or inconsistent op: nothing in the step was applied."""
-
-
-class CreateOp(NamedTuple):
-    seq_id: int
-    token_ids: Sequence[int]
-    cache_namespace: bytes
-
-
-class AdmitOp(NamedTuple):
-    seq_id: int
-    token_ids: Sequence[int]
-    cache_namespace: bytes
-    max_tokens: int  # the first chunk: slots reserved after the cached prefix, at most this many
-
-
-class ForkOp(NamedTuple):
-    parent_seq_id: int
-    child_seq_id: int
-
-
-class ReserveOp(NamedTuple):
-    seq_id: int
-    num_tokens: int
-    append_token_ids: Sequence[int] = ()
-    admission: bool = False
-
-
-class CommitOp(NamedTuple):
-    seq_id: int
-    num_computed_tokens: int
-
-
-class FreeOp(NamedTuple):
-    seq_id: int
-
-
-class SwapOutOp(NamedTuple):
-    seq_ids: Sequence[int]
-
-
-class SwapInOp(NamedTuple):
-    seq_ids: Sequence[int]
-
-
-class DecodeOp(NamedTuple):
-    seq_ids: Sequence[int]
-    token_ids: Sequence[int]
-
-
-class AdvanceOp(NamedTuple):
-    """Per sequence: the slots the frontend used in its own tail block without a Decode, and the tokens told
-    since (token_ids holds each sequence's num_tokens in turn)."""
-
-    seq_ids: Sequence[int]
-    num_slots: Sequence[int]
-    num_tokens: Sequence[int]
-    token_ids: Sequence[int]
-
-
-class SpareOp(NamedTuple):
-    """One empty block past each sequence's tail, while blocks above the watermark last: per sequence, refused
-    (refused_seq_ids) or granted (a delta). No op but an Advance may name its sequences before it in a step."""
-
-    seq_ids: Sequence[int]
-
-
-Op = CreateOp | AdmitOp | ForkOp | ReserveOp | CommitOp | FreeOp | SwapOutOp | SwapInOp | DecodeOp | AdvanceOp | SpareOp
-
-
-@dataclass
-class OpOutcome:
-    granted: bool = True
-    reason: str = ""  # why refused
-    deltas: list[BlockTableDelta] = field(default_factory=list)
-    slot_mapping: list[int] = field(default_factory=list)
-    copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, device -> device
-    swap_out: list[BlockCopy] = field(default_factory=list)  # device -> cpu
-    swap_in: list[BlockCopy] = field(default_factory=list)  # cpu -> device
-    num_cached_tokens: int = 0
-    refused_seq_ids: list[int] = field(default_factory=list)
-
-
-class StepAnswer(NamedTuple):
-    outcomes: list[OpOutcome]  # one per op, in order
-    stats: BlockStats  # after the step
+from .contract import (
+    MAX_NAMESPACE_BYTES,
+    MAX_TOKEN_ID,
+    MAX_UNTOLD_SLOTS,
+    MIN_NAMESPACE_BYTES,
+    NO_TOKEN,
+    AdmitOp,
+    AdvanceOp,
+    CommitOp,
+    CreateOp,
+    DecodeOp,
+    ForkOp,
+    FreeOp,
+    InvalidStep,
+    Op,
+    OpOutcome,
+    ReserveOp,
+    SpareOp,
+    SwapInOp,
+    SwapOutOp,
+)
+from .manager import BlockManager
+from .op_checks import advance_problem, fork_problem, spare_problem
 
 
 @dataclass(slots=True)
@@ -181,18 +110,11 @@ class _Validator:
                                   " must come first")
             shadow = self.existing(seq_id, f"{where}.seq_ids")
             table = self.manager.seqs[seq_id].block_table
-            end = shadow.num_slots + num_slots
-            if num_slots < 0 or end > len(table) * bs:
-                raise InvalidStep(f"{where}.num_slots: sequence {seq_id} has {shadow.num_slots} slots in {len(table)}"
-                                  f" blocks of {bs}; {num_slots} more do not fit in its tail block")
-            if num_slots and table[-1].ref_count > 1:
-                raise InvalidStep(f"{where}.num_slots: sequence {seq_id}'s tail block is shared (a fork); its slots"
-                                  " need a Decode")
+            problem = advance_problem(seq_id, table, shadow.num_slots, num_slots, shadow.num_known + num_tokens, bs)
+            if problem:
+                raise InvalidStep(f"{where}.{problem[0]}: {problem[1]}")
             shadow.num_known += num_tokens
-            if end - shadow.num_known > MAX_UNTOLD_SLOTS:
-                raise InvalidStep(f"{where}.num_tokens: sequence {seq_id} would hold {end - shadow.num_known} slots"
-                                  f" for tokens not told yet (at most {MAX_UNTOLD_SLOTS})")
-            shadow.num_slots = shadow.num_computed = end
+            shadow.num_slots = shadow.num_computed = shadow.num_slots + num_slots
             self.advanced.add(seq_id)
 
     def check_spare(self, op: SpareOp, where: str) -> None:
@@ -205,13 +127,9 @@ class _Validator:
                 raise InvalidStep(f"{where}.seq_ids: sequence {seq_id} is named earlier in this step by an op other"
                                   " than an Advance")
             shadow = self.existing(seq_id, f"{where}.seq_ids")
-            table = self.manager.seqs[seq_id].block_table
-            if len(table) * bs - shadow.num_slots >= bs:
-                raise InvalidStep(f"{where}.seq_ids: sequence {seq_id} holds a spare already ({len(table)} blocks"
-                                  f" of {bs} for {shadow.num_slots} slots)")
-            if shadow.num_slots % bs and table[-1].ref_count > 1:
-                raise InvalidStep(f"{where}.seq_ids: sequence {seq_id}'s tail block is shared (a fork); its next"
-                                  " slot needs a Decode")
+            problem = spare_problem(seq_id, self.manager.seqs[seq_id].block_table, shadow.num_slots, bs)
+            if problem:
+                raise InvalidStep(f"{where}.seq_ids: {problem}")
             shadow.sealed = "was given a spare"
 
     def existing(self, seq_id: int, where: str, resident: bool | None = True) -> _Shadow:
@@ -254,13 +172,15 @@ class _Validator:
                 self.shadows[op.seq_id] = _Shadow(False, len(op.token_ids), 0, 0, sealed="was admitted")
             case ForkOp():
                 parent = self.existing(op.parent_seq_id, f"{at}.fork.parent_seq_id")
-                # a spare is never shared: its table as before the step (only a Spare adds one, and it seals),
-                # against its slots now (an Advance may have taken the spare), unless swapped or forked since
-                state, bs = self.manager.seqs.get(op.parent_seq_id), self.manager.block_size
-                if (state is not None and not state.is_swapped and not parent.swapped_in and op.parent_seq_id
-                        not in self.forked and len(state.block_table) * bs - parent.num_slots >= bs):
-                    raise InvalidStep(f"{at}.fork.parent_seq_id: sequence {op.parent_seq_id} holds a spare block (a"
-                                      " spare is never shared)")
+                # its table as before the step (only a Spare adds a spare, and it seals), against its slots now (an
+                # Advance may have taken the spare), unless swapped or forked since (then the table is not its own)
+                state = self.manager.seqs.get(op.parent_seq_id)
+                if (state is not None and not state.is_swapped and not parent.swapped_in
+                        and op.parent_seq_id not in self.forked):
+                    problem = fork_problem(op.parent_seq_id, state.block_table, parent.num_slots,
+                                           self.manager.block_size)
+                    if problem:
+                        raise InvalidStep(f"{at}.fork.parent_seq_id: {problem}")
                 self.absent(op.child_seq_id, f"{at}.fork.child_seq_id")
                 # a child of a sequence swapped in by this step shares the blocks the step's swap-in writes
                 self.shadows[op.child_seq_id] = _Shadow(False, parent.num_known, parent.num_slots, parent.num_computed,
