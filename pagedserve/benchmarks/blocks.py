@@ -21,8 +21,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from ..services.block_manager.contract import DecodeOp
 from ..services.block_manager.manager import BlockManager
-from ..services.block_manager.step import DecodeOp, apply_step
+from ..services.block_manager.step import apply_step
 from .report import emit
 from .workloads import RequestSpec, sharegpt_like
 
@@ -125,7 +126,7 @@ def step_cost_rpc(num_seqs: int, steps: int, prompt_len: int, block_size: int) -
     """The Decode step over gRPC as the frontend sends it (one stream for every step; request build and parse
     included), and an empty unary Stats call alternated with it: a call's floor between two Python processes."""
     from ..services.block_manager.client import RemoteBlockManager
-    from ..services.block_manager.step import AdmitOp, DecodeOp
+    from ..services.block_manager.contract import AdmitOp, DecodeOp
     from ..services.common.processes import running_service
 
     num_blocks = num_seqs * (-(-(prompt_len + steps + 20) // block_size))

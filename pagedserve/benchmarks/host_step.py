@@ -28,16 +28,16 @@ from typing import Any
 
 from ..protos import block_manager_pb2 as bm_pb
 from ..protos import executor_pb2 as ex_pb
-from ..services.block_manager import client as bm_client
+from ..services.block_manager import codec as bm_codec
+from ..services.block_manager.contract import BlockStats, Op, StepAnswer
 from ..services.block_manager.manager import BlockManager
 from ..services.block_manager.server import BlockManagerServicer
-from ..services.block_manager.stats import BlockStats
-from ..services.block_manager.step import Op, StepAnswer
 from ..services.common.grpc_server import GC_THRESHOLDS
-from ..services.executor import client as ex_client
+from ..services.executor import codec as ex_codec
+from ..services.executor.held_inputs import SentInputs
 from ..services.executor.options import ExecutorConfig
-from ..services.executor.server import ExecutorServicer, tokens_to_proto
-from ..services.executor.step_types import HeldInputs, SampledToken, StepInput
+from ..services.executor.server import ExecutorServicer
+from ..services.executor.step_types import SampledToken, StepInput
 from ..services.frontend.engine import Engine, EngineLimits, ModelIdentity
 from ..services.frontend.public_options import non_negative_int, positive_int
 from ..services.frontend.request import FinishReason, GenerationParams, Request
@@ -79,7 +79,7 @@ class _Answered:
         self.response = response
 
     def result(self) -> StepAnswer:
-        return bm_client.answer_from_proto(bm_pb.StepResponse.FromString(self.response))
+        return bm_codec.answer_from_proto(bm_pb.StepResponse.FromString(self.response))
 
 
 class WireBlockManager:
@@ -89,7 +89,7 @@ class WireBlockManager:
         self.manager, self.servicer, self.clock = manager, BlockManagerServicer(manager), clock
 
     def send(self, ops: Sequence[Op]) -> _Answered:
-        request = bm_client.step_to_proto(ops).SerializeToString()
+        request = bm_codec.step_to_proto(ops).SerializeToString()
         start = time.thread_time()
         response = self.servicer._step(bm_pb.StepRequest.FromString(request)).SerializeToString()
         self.clock.block_manager += time.thread_time() - start
@@ -112,7 +112,7 @@ class _Ran:
         self.response = response
 
     def result(self) -> list[SampledToken]:
-        return ex_client.tokens_from_proto(ex_pb.ExecuteResponse.FromString(self.response))
+        return ex_codec.tokens_from_proto(ex_pb.ExecuteResponse.FromString(self.response))
 
 
 class WireExecutor:
@@ -120,7 +120,7 @@ class WireExecutor:
     and the stand-in's sampling timed apart. Records how many sequences each step decoded."""
 
     def __init__(self, clock: _Clock) -> None:
-        self.clock, self.held = clock, HeldInputs()
+        self.clock, self.held = clock, SentInputs()
         self.servicer = ExecutorServicer(ExecutorConfig(model="stand-in"))
         self.servicer.runner = StandInRunner(0.0, VOCAB_SIZE, Timeline())  # type: ignore[assignment]
         self.servicer.info = ex_pb.InfoResponse(block_size=BLOCK_SIZE)
@@ -129,11 +129,11 @@ class WireExecutor:
 
     def submit(self, step: StepInput) -> _Ran:
         self.unnamed.append(step.same_batch and not step.sequences)
-        request = ex_client.step_to_proto(step, 0, self.held).SerializeToString()
+        request = ex_codec.step_to_proto(step, 0, self.held).SerializeToString()
         start = time.thread_time()
         accepted = self.servicer.accept(ex_pb.ExecuteRequest.FromString(request))
         assert self.servicer.runner is not None
-        response = tokens_to_proto(self.servicer.runner.execute(accepted)).SerializeToString()
+        response = ex_codec.tokens_to_proto(self.servicer.runner.execute(accepted)).SerializeToString()
         self.clock.executor += time.thread_time() - start
         seqs = accepted.sequences
         self.decodes.append(len(seqs) if all(len(s.token_ids) == 1 for s in seqs) else 0)

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..services.executor.model.registry import resolve_model
 from ..services.executor.model.tokenizer import load_tokenizer
-from .serve import PASSAGE, Outcome, main_pass, progress, shared_prefix_pass, workload
+from .serve_passes import PASSAGE, Outcome, main_pass, progress, shared_prefix_pass, workload
 
 
 def base_url(url: str) -> str:

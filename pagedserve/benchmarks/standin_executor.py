@@ -26,10 +26,11 @@ from typing import Any
 from ..protos import executor_pb2 as pb
 from ..protos import executor_pb2_grpc as pb_grpc
 from ..services.common.grpc_server import GrpcService, run, serve_until_signalled
+from ..services.executor.codec import SERVICE_NAME
 from ..services.executor.model.registry import resolve_model
 from ..services.executor.model.tokenizer import load_tokenizer
 from ..services.executor.options import ExecutorConfig
-from ..services.executor.server import SERVICE_NAME, ExecutorServicer
+from ..services.executor.server import ExecutorServicer
 from ..services.executor.step_types import LAST_SAMPLED, LastSampled, SampledToken, StepInput, new_row
 
 

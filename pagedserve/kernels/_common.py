@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..services.common.kv_geometry import blocks_for
+
 ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -43,8 +45,7 @@ def check_block_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_s
 
 def sequence_blocks(block_tables: torch.Tensor, seq: int, seq_len: int, block_size: int) -> torch.Tensor:
     """The physical block ids holding sequence `seq`'s first `seq_len` tokens (entries past them unread)."""
-    num_used = -(-seq_len // block_size)
-    return block_tables[seq, :num_used].long()
+    return block_tables[seq, : blocks_for(seq_len, block_size)].long()
 
 
 def gather_kv(

@@ -1,6 +1,6 @@
 """The runner checks a sequence's block table only when it changes (a new object), never trusting one that a
-refused step brought, and forgets what it checked at a release or a reset. It checks a step's sequences as
-columns, and walks them one by one only for the error of a step that fails there."""
+refused step brought, and forgets what it checked at a release or a reset. One check (StepChecks) tests each rule
+over the step's columns, and names the field of the first sequence that breaks it."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pagedserve.services.common import kv_geometry
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.executor.engine_config import build_runner
+from pagedserve.services.executor.held_inputs import HeldInputs
 from pagedserve.services.executor.options import ExecutorConfig
 from pagedserve.services.executor.runner import ModelRunner
 from pagedserve.services.executor.step_types import (
     GREEDY,
     LAST_SAMPLED,
-    HeldInputs,
     SampledToken,
     SamplingParams,
     SequenceInput,
@@ -36,8 +37,7 @@ def runner(tiny_llama_dir: Path) -> ModelRunner:
 
 
 def decode(seq_id: int, position: int, table: list[int]) -> StepInput:
-    slot = table[position // BS] * BS + position % BS
-    return StepInput([SequenceInput(seq_id, [7], position, table, [slot], GREEDY)])
+    return StepInput([SequenceInput(seq_id, [7], position, table, [kv_geometry.slot_of(table, position, BS)], GREEDY)])
 
 
 def test_a_table_is_checked_whenever_it_is_a_new_one(runner: ModelRunner) -> None:
@@ -55,7 +55,7 @@ def test_a_table_is_checked_whenever_it_is_a_new_one(runner: ModelRunner) -> Non
 def test_a_same_batch_step_is_checked_for_what_it_adds_and_runs_as_the_step_in_full(
         runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     """The steady decode step the server derives from its held batch (`same_batch`) skips the checks of what the
-    step before passed here (the columns), and samples what the same step in full samples; one that is not that
+    step before passed here, and samples what the same step in full samples; one that is not that
     batch again, one position on, is checked as any step."""
     prefill = StepInput([SequenceInput(1, [5, 6, 7], 0, [1, 2], [4, 5, 6], GREEDY),
                          SequenceInput(2, [9, 8], 0, [3, 4], [12, 13], GREEDY)], step_id=1)
@@ -77,14 +77,14 @@ def test_a_same_batch_step_is_checked_for_what_it_adds_and_runs_as_the_step_in_f
         return tokens
 
     in_full = run(False)
-    columns_valid = runner._columns_valid
+    check_sequences = runner.checks._check_sequences
 
-    def only_the_prefill(seqs: list[SequenceInput], step_id: int) -> bool:
-        assert step_id == 1, "a same_batch step checked in columns"
-        return columns_valid(seqs, step_id)
+    def in_full_only_the_prefill(seqs: list[SequenceInput], step_id: int, repeated: bool) -> None:
+        assert repeated or step_id == 1, "a same_batch step checked in full"
+        check_sequences(seqs, step_id, repeated)
 
     with monkeypatch.context() as patch:
-        patch.setattr(runner, "_columns_valid", only_the_prefill)
+        patch.setattr(runner.checks, "_check_sequences", in_full_only_the_prefill)
         assert run(True) == in_full
     # another batch under the flag (its sequence 2 gone, sequence 1 one position further): checked, and refused
     runner.reset()
@@ -98,8 +98,8 @@ def test_a_same_batch_step_is_checked_for_what_it_adds_and_runs_as_the_step_in_f
         runner.reset()
         runner.execute(prefill)
         table = [1] * blocks
-        runner._checked_tables.tables[1], runner._checked_tables.batch = table, (1, (1, 2), (position, 2))
-        slot = table[min(position // BS, blocks - 1)] * BS + position % BS
+        runner.checks.checked.tables[1], runner.checks.checked.batch = table, (1, (1, 2), (position, 2))
+        slot = kv_geometry.slot(table[min(position // BS, blocks - 1)], position % BS, BS)
         late = StepInput([SequenceInput(1, [LAST_SAMPLED], position, table, [slot], GREEDY),
                           prefill.sequences[1]._replace(token_ids=[LAST_SAMPLED], start_position=2, slot_mapping=[14])],
                          step_id=2, same_batch=True)
@@ -111,20 +111,23 @@ def test_release_and_reset_forget_the_checked_tables(runner: ModelRunner) -> Non
     runner.reset()
     table = [4, 5]
     runner.execute(decode(2, 0, table))
-    assert runner._checked_tables.tables == {2: table}
+    assert runner.checks.checked.tables == {2: table}
     runner.execute(StepInput([], released_seq_ids=[2]))
-    assert runner._checked_tables.tables == {}
+    assert runner.checks.checked.tables == {}
     runner.execute(decode(3, 0, table))
     runner.reset()
-    assert runner._checked_tables.tables == {}
+    assert runner.checks.checked.tables == {}
     table.append(99)  # changed in place, against the contract: a reset runner checks it again all the same
     with pytest.raises(InvalidRequest, match="block_table: 99 outside"):
         runner.execute(decode(3, 0, table))
 
 
-# One way to break a well-formed step's sequence each; the walk (`_check_each`) names every one of them.
-BREAKS = ["seq_id", "empty", "token", "negative token", "last_sampled in a chunk", "unsampled", "step_id", "context",
-          "table", "slot", "slots", "temperature", "nan", "top_p", "top_k", "top_logprobs"]
+# One way to break a well-formed step's sequence each, and the field the check names for it.
+BREAKS = {"seq_id": "seq_id", "empty": "token_ids", "token": "token_ids", "negative token": "token_ids",
+          "last_sampled in a chunk": "token_ids", "unsampled": "token_ids", "step_id": "token_ids",
+          "context": "start_position", "table": "block_table", "slot": "slot_mapping", "slots": "slot_mapping",
+          "temperature": "sampling", "nan": "sampling", "top_p": "sampling", "top_k": "sampling",
+          "top_logprobs": "sampling.num_top_logprobs"}
 
 
 @st.composite
@@ -140,8 +143,9 @@ def checked_steps(draw: st.DrawFn, vocab: int, max_len: int) -> tuple[list[Seque
             tokens = draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=5))
         start = draw(st.integers(0, max_len - len(tokens)))
         end = start + len(tokens)
-        table = draw(st.lists(st.integers(0, 15), min_size=-(-end // BS), max_size=-(-end // BS) + 2))
-        slots = [table[p // BS] * BS + p % BS for p in range(start, end)]
+        num_blocks = kv_geometry.blocks_for(end, BS)
+        table = draw(st.lists(st.integers(0, 15), min_size=num_blocks, max_size=num_blocks + 2))
+        slots = [kv_geometry.slot_of(table, p, BS) for p in range(start, end)]
         sampling = draw(st.one_of(st.none(), st.builds(
             SamplingParams, st.floats(0, 2), st.integers(0, 50), st.floats(0, 1), st.integers(0, 99),
             st.integers(0, 20))))
@@ -169,7 +173,8 @@ def checked_steps(draw: st.DrawFn, vocab: int, max_len: int) -> tuple[list[Seque
             seqs[i] = s._replace(start_position=max_len)
         case "table":
             end = s.start_position + len(s.token_ids)
-            seqs[i] = s._replace(block_table=list(s.block_table)[: -(-end // BS) - 1])  # a block short
+            short = kv_geometry.blocks_for(end, BS) - 1  # a block short
+            seqs[i] = s._replace(block_table=list(s.block_table)[:short])
         case "slot":
             seqs[i] = s._replace(slot_mapping=[slot + 1 for slot in s.slot_mapping])
         case "slots":
@@ -189,18 +194,20 @@ def checked_steps(draw: st.DrawFn, vocab: int, max_len: int) -> tuple[list[Seque
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_the_column_checks_pass_exactly_the_steps_the_walk_passes(runner: ModelRunner, data: st.DataObject) -> None:
-    """The columns pass a step only if the walk would (never a step it refuses), and pass every well-formed one
-    (else each step would take the walk, the slow way)."""
+def test_the_check_refuses_exactly_the_broken_steps_naming_the_field(runner: ModelRunner,
+                                                                    data: st.DataObject) -> None:
+    """Every well-formed step passes (over its columns, the fast way); a broken one is refused with the error
+    that names the field broken, of the sequence that breaks it, and changes nothing."""
     runner.reset()
     seqs, step_id, sampled_before, broken = data.draw(checked_steps(runner.config.vocab_size, runner.max_model_len))
     runner.last_sampled.start(step_id - 1)
     runner.last_sampled.record([SampledToken(seq_id, token, 0.0, (), ()) for seq_id, token in sampled_before.items()])
+    step = StepInput(seqs, step_id=step_id)
     try:
-        runner._check_each(seqs, step_id)
-        walk_passes = True
-    except InvalidRequest:
-        walk_passes = False
-    columns_pass = runner._columns_valid(seqs, step_id)
-    assert walk_passes == columns_pass, f"broken: {broken or 'nothing'}; walk {walk_passes}, columns {columns_pass}"
-    assert walk_passes == (broken == "") or broken == "step_id"  # a step without LAST_SAMPLED has no step before
+        runner.checks.validate(step)
+    except InvalidRequest as refusal:
+        assert broken, f"a well-formed step refused: {refusal}"
+        assert f"].{BREAKS[broken]}: " in str(refusal), f"broken: {broken}; refused with: {refusal}"
+        assert runner.checks.checked.tables == {} and runner.checks.checked.batch is None
+    else:  # a step without LAST_SAMPLED has no step before to be wrong about
+        assert broken in ("", "step_id"), f"broken: {broken}, yet passed"

@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from tiny_model import randomize_norms_and_biases
 
 from pagedserve.kernels import KernelBackend
+from pagedserve.services.common.kv_geometry import slot_of
 from pagedserve.services.executor.attention import build_attention_metadata
 from pagedserve.services.executor.model import LlamaForCausalLM
+from pagedserve.services.executor.runner import model_forward
 
 CPU = torch.device("cpu")
 
@@ -102,13 +104,14 @@ class PagedRunner:
                 table.append(self.free_blocks.pop())
             input_ids += tokens
             positions += range(start, end)
-            slots += [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
+            slots += [slot_of(table, p, self.block_size) for p in range(start, end)]
             query_lens.append(len(tokens))
             seq_lens.append(end)
             tables.append(list(table))
             self.seq_lens[seq] = end
         meta = build_attention_metadata(query_lens, seq_lens, tables, slots, CPU)
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), meta, self.kv_caches)
+        hidden = model_forward(self.model, torch.tensor(input_ids), torch.tensor(positions), meta,
+                               self.kv_caches)  # type: ignore[arg-type]
         return list(self.model.compute_logits(hidden).split(query_lens))
 
 

@@ -20,6 +20,7 @@ from pagedserve.kernels import cpu_unavailable_reason, get_backend
 from pagedserve.kernels.layer_ops import rotary_ref
 from pagedserve.services.executor.attention import AttentionMetadata, build_attention_metadata
 from pagedserve.services.executor.model import LlamaForCausalLM, cpu_decode, load_model
+from pagedserve.services.executor.runner import model_forward
 
 pytestmark = pytest.mark.skipif(cpu_unavailable_reason() is not None, reason=f"{cpu_unavailable_reason()}")
 pytest.importorskip("transformers")
@@ -85,7 +86,7 @@ def test_decode_step_equals_the_generic_layers_bit_for_bit(model: LlamaForCausal
     rope = model.rotary(positions, x.dtype)
     assert cpu_decode.applies(model.backend, meta, fast_caches, x)
     generic = model.forward_layers(x.clone(), rope, meta, generic_caches)  # type: ignore[arg-type]
-    fast = model(input_ids, positions, meta, fast_caches)  # type: ignore[arg-type]
+    fast = model_forward(model, input_ids, positions, meta, fast_caches)  # type: ignore[arg-type]
     assert torch.equal(fast, generic)
     for (k_fast, v_fast), (k_generic, v_generic), (k_before, _) in zip(
             fast_caches, generic_caches, runner.kv_caches, strict=True):
@@ -117,7 +118,7 @@ def test_a_slot_past_the_cache_is_refused_before_anything_is_written(model: Llam
                                                                                        num_slots))
     caches = copy_caches(runner.kv_caches)
     with pytest.raises(ValueError, match="slot past the cache"):
-        model(input_ids, positions, bad, caches)  # type: ignore[arg-type]
+        model_forward(model, input_ids, positions, bad, caches)  # type: ignore[arg-type]
     assert all(torch.equal(k, k0) and torch.equal(v, v0)
                for (k, v), (k0, v0) in zip(caches, runner.kv_caches, strict=True))
 
@@ -129,8 +130,8 @@ def test_a_block_outside_the_cache_is_refused(model: LlamaForCausalLM) -> None:
     tables = meta.decode_block_tables.clone()
     tables[1, 0] = runner.kv_caches[0][0].shape[0]
     with pytest.raises(ValueError, match="outside the cache"):
-        model(input_ids, positions, dataclasses.replace(meta, decode_block_tables=tables),
-              copy_caches(runner.kv_caches))  # type: ignore[arg-type]
+        model_forward(model, input_ids, positions, dataclasses.replace(meta, decode_block_tables=tables),
+                      copy_caches(runner.kv_caches))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("variant", ["qwen2-bias", "llama-linear-rope-tied"])

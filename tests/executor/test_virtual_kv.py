@@ -9,7 +9,8 @@ import ctypes
 import pytest
 import torch
 
-from pagedserve.services.executor.virtual_kv import MappedRegion, os_page_size, tokens_per_page, transparent_hugepages
+from pagedserve.services.executor.kv_regions import MappedRegion
+from pagedserve.services.executor.virtual_kv import os_page_size, tokens_per_page, transparent_hugepages
 
 
 def resident_bytes(region: MappedRegion) -> int:

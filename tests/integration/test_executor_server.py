@@ -16,10 +16,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.kernels import cpu_unavailable_reason
 from pagedserve.protos import executor_pb2 as pb
 from pagedserve.protos import executor_pb2_grpc as pb_grpc
+from pagedserve.services.common.kv_geometry import slot_of
 from pagedserve.services.common.processes import ServiceProcess, running_service, start_service, stop_service
-from pagedserve.services.executor.client import step_to_proto, tokens_from_proto
+from pagedserve.services.executor.codec import step_to_proto, tokens_from_proto
+from pagedserve.services.executor.held_inputs import SentInputs
 from pagedserve.services.executor.step_types import (
-    HeldInputs,
     SampledToken,
     SamplingParams,
     SequenceInput,
@@ -55,7 +56,7 @@ def stub(executor: ServiceProcess) -> Iterator[OneStepStub]:
 
 
 def seq_step(seq_id: int, tokens: list[int], start: int, table: list[int], sample: bool = True) -> SequenceInput:
-    slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + len(tokens))]
+    slots = [slot_of(table, p, BLOCK) for p in range(start, start + len(tokens))]
     return SequenceInput(seq_id, tokens, start, table, slots, SamplingParams(num_top_logprobs=3) if sample else None)
 
 
@@ -103,7 +104,7 @@ def test_prefill_then_decode_match_hf_greedy(stub: OneStepStub, tiny_llama_dir: 
 def test_a_held_block_table_is_used_until_released_or_reset(stub: OneStepStub) -> None:
     """The frontend's client sends a sequence's table only when it changed (`table_held`); the executor uses
     the one it holds, and forgets it when the sequence is released or the executor resets."""
-    sender, table, prompt = HeldInputs(), [12, 13], [5, 17, 42, 8, 9, 60]
+    sender, table, prompt = SentInputs(), [12, 13], [5, 17, 42, 8, 9, 60]
     first = step_to_proto(StepInput([seq_step(40, prompt, 0, table)]), held=sender)
     assert list(first.table_held) == [False] and list(first.block_tables) == table
     token = tokens(stub.Execute(first))[0].token_id
@@ -119,7 +120,7 @@ def test_a_held_block_table_is_used_until_released_or_reset(stub: OneStepStub) -
     assert gone.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "holds no block table" in gone.value.details()
     stub.Execute(step(seq_step(41, prompt, 0, table)))  # held from here on, until the Reset
     stub.Reset(pb.ResetRequest(epoch=0))
-    held_41 = step_to_proto(StepInput([seq_step(41, [token], 6, table)]), held=HeldInputs())
+    held_41 = step_to_proto(StepInput([seq_step(41, [token], 6, table)]), held=SentInputs())
     held_41.table_held[:] = [True]
     del held_41.block_tables[:]
     held_41.block_table_lens[:] = [0]
@@ -140,7 +141,7 @@ def test_a_held_block_table_is_used_until_released_or_reset(stub: OneStepStub) -
 def test_a_grown_table_sends_only_its_new_blocks(stub: OneStepStub) -> None:
     """A decode's table that grew by a block (or had its tail copied on write) goes as the blocks it adds to the
     table the executor holds (`table_kept`), and runs as the whole table would."""
-    sender, prompt, table = HeldInputs(), [5, 17, 42, 8, 9, 60, 3, 11], [12, 13]  # two full blocks of 4
+    sender, prompt, table = SentInputs(), [5, 17, 42, 8, 9, 60, 3, 11], [12, 13]  # two full blocks of 4
     token = tokens(stub.Execute(step_to_proto(StepInput([seq_step(43, prompt, 0, table)]), held=sender)))[0].token_id
     grown = [*table, 14]  # position 8 starts a third block
     delta = step_to_proto(StepInput([seq_step(43, [token], 8, grown)]), held=sender)
@@ -190,11 +191,11 @@ def test_the_steady_decode_step_goes_as_the_same_batch_and_samples_what_it_would
 
     def sequences(decoding: bool, position: dict[int, int]) -> list[SequenceInput]:
         return [SequenceInput(s, [-1] if decoding else prompts[s], position[s], tables[s],
-                              [tables[s][p // BLOCK] * BLOCK + p % BLOCK
+                              [slot_of(tables[s], p, BLOCK)
                                for p in range(position[s], position[s] + (1 if decoding else len(prompts[s])))],
                               params) for s in prompts]
 
-    held, requests, in_full = HeldInputs(), [], []
+    held, requests, in_full = SentInputs(), [], []
     for step_id in range(91, 96):
         decoding = step_id > 91
         start = {s: 0 if not decoding else len(prompts[s]) + step_id - 92 for s in prompts}

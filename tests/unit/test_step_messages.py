@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 
 from pagedserve.protos import executor_pb2 as pb
 from pagedserve.services.common.errors import InvalidRequest
-from pagedserve.services.executor.client import step_to_proto, tokens_from_proto
-from pagedserve.services.executor.server import step_from_proto, tokens_to_proto
+from pagedserve.services.common.kv_geometry import slot_of
+from pagedserve.services.executor.codec import step_from_proto, step_to_proto, tokens_from_proto, tokens_to_proto
+from pagedserve.services.executor.held_inputs import HeldInputs, SentInputs
 from pagedserve.services.executor.step_types import (
     GREEDY,
     LAST_SAMPLED,
-    HeldInputs,
     SampledToken,
     SamplingParams,
     SequenceInput,
@@ -74,7 +74,7 @@ def as_lists(step: StepInput) -> list[tuple[object, ...]]:
 @settings(max_examples=150, deadline=None)
 @given(steps())
 def test_the_executor_runs_the_step_the_frontend_sent(run: list[StepInput]) -> None:
-    sender, receiver = HeldInputs(), HeldInputs()
+    sender, receiver = SentInputs(), HeldInputs()
     sent: dict[int, object] = {}  # the table object each sequence last sent
     sent_sampling: dict[int, object] = {}  # and its sampling parameters
     for step in run:
@@ -138,7 +138,7 @@ def test_a_kept_prefix_without_held_tables_touches_only_its_sequence() -> None:
 
 def test_sampling_parameters_are_sent_once_and_refused_when_not_held() -> None:
     params = SamplingParams(0.5, 40, 0.875, 2**40 + 3, 2)
-    sender, receiver = HeldInputs(), HeldInputs()
+    sender, receiver = SentInputs(), HeldInputs()
 
     def decode(seq_id: int, position: int, sampling: SamplingParams | None = params) -> SequenceInput:
         return SequenceInput(seq_id, [LAST_SAMPLED], position, [3], [12 + position], sampling)
@@ -180,7 +180,7 @@ def steady_runs(draw: st.DrawFn) -> list[tuple[StepInput, bool]]:
     ends = {seq_id: draw(st.integers(1, 8)) for seq_id in tables}
 
     def seq(seq_id: int, tokens: list[int], start: int) -> SequenceInput:
-        slots = [tables[seq_id][p // BS] * BS + p % BS for p in range(start, start + len(tokens))]
+        slots = [slot_of(tables[seq_id], p, BS) for p in range(start, start + len(tokens))]
         return SequenceInput(seq_id, tokens, start, tables[seq_id], slots, samplings[seq_id])
 
     ids = list(tables)  # the batch's order, kept from step to step
@@ -230,7 +230,7 @@ def test_the_steady_decode_step_goes_as_the_same_batch_and_runs_as_sent(run: lis
     carries no per-sequence field; either way the executor runs the step the frontend built. The scheduler sends
     such a step without its rows (SchedulerConfig.repeat_batches): the same message, and an in-process executor
     fills in the same rows (`HeldInputs.fill`)."""
-    sender, receiver, unnamed_sender, in_process = HeldInputs(), HeldInputs(), HeldInputs(), HeldInputs()
+    sender, receiver, unnamed_sender, in_process = SentInputs(), HeldInputs(), SentInputs(), HeldInputs()
     for step, repeated in run:
         request = pb.ExecuteRequest.FromString(step_to_proto(step, 3, sender).SerializeToString())
         assert request.same_batch == repeated
@@ -281,16 +281,18 @@ def test_a_step_the_scheduler_sends_unnamed_needs_the_batch_of_the_step_before()
     """A `same_batch` step without sequences repeats the batch the sender holds for step_id - 1 (the scheduler's
     last step): anything else is a bug in the scheduler, raised before anything is sent."""
     first = StepInput([SequenceInput(7, [5, 6], 0, [3, 4], [12, 13], GREEDY)], step_id=5)
-    sender = HeldInputs()
+    sender = SentInputs()
     step_to_proto(first, 0, sender)
     with pytest.raises(ValueError, match="step 7 is flagged same_batch, but the batch held is step 5's"):
         step_to_proto(StepInput((), step_id=7, same_batch=True), 0, sender)
     with pytest.raises(ValueError, match="step 6 is flagged same_batch, but no batch of the step before is held"):
-        step_to_proto(StepInput((), step_id=6, same_batch=True), 0, HeldInputs())
+        step_to_proto(StepInput((), step_id=6, same_batch=True), 0, SentInputs())
     with pytest.raises(ValueError, match="step 6 is flagged same_batch, but names sequences"):
         step_to_proto(StepInput(first.sequences, step_id=6, same_batch=True), 0, sender)
     request = step_to_proto(StepInput((), step_id=6, same_batch=True, released_seq_ids=[2]), 0, sender)
     assert (request.step_id, request.same_batch, list(request.released_seq_ids)) == (6, True, [2])
     assert sender.batch == (6, (7,), (3,))  # one position on
-    with pytest.raises(InvalidRequest, match="step 9 repeats the batch of step 8"):  # in process, the same rule
-        sender.fill(StepInput((), step_id=9, same_batch=True), BS)
+    in_process = HeldInputs()  # in process, the same rule
+    in_process.batch = sender.batch
+    with pytest.raises(InvalidRequest, match="step 9 repeats the batch of step 8"):
+        in_process.fill(StepInput((), step_id=9, same_batch=True), BS)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .virtual_kv import KVRegion
+from .kv_regions import KVRegion
 
 MISSING = ("the virtual KV layout on a GPU needs the CUDA driver bindings: pip install 'pagedserve[gpu]'"
            " (cuda-bindings)")

@@ -18,6 +18,7 @@ import torch
 
 from ...kernels import KernelBackend, cpu_unavailable_reason, get_backend
 from ...kernels.backend import BackendName
+from ..common.kv_geometry import blocks_for
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .model.loader import load_model
@@ -167,7 +168,7 @@ def build_sequence_kv(
     """None for the paged layout; else where each sequence's contiguous K/V lives."""
     if kv_layout == "paged":
         return None
-    capacity = -(-max_model_len // block_size) * block_size  # whole pages per slab
+    capacity = blocks_for(max_model_len, block_size) * block_size  # whole pages per slab
     shape = (model_config.num_layers, 2, capacity, model_config.num_kv_heads, model_config.head_dim)
     if kv_layout == "static":
         return StaticKV(num_blocks, shape, kv_dtype, device)
@@ -186,7 +187,7 @@ def warm_up(runner: ModelRunner) -> None:
     which holds nothing yet: every slot is written before it is read. A per-sequence layout gives its
     region back after."""
     n = min(runner.block_size, 8)
-    runner.execute(StepInput([SequenceInput(0, [0] * n, 0, [0], list(range(n)), GREEDY)]))
+    runner.run(StepInput([SequenceInput(0, [0] * n, 0, [0], list(range(n)), GREEDY)]))
     runner.reset()
 
 
@@ -196,12 +197,12 @@ def _gpu_num_blocks(
 ) -> int:
     """Blocks that fit in gpu_memory_utilization of the device after the weights and a profiled peak."""
     tokens = min(config.max_num_batched_tokens, max_model_len)
-    profile_blocks = -(-tokens // config.block_size)
+    profile_blocks = blocks_for(tokens, config.block_size)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     profiler = ModelRunner(model, model_config, backend, config.block_size, profile_blocks, 0, max_model_len)
     table = list(range(profile_blocks))
-    profiler.execute(StepInput([SequenceInput(0, [0] * tokens, 0, table, list(range(tokens)), GREEDY)]))
+    profiler.run(StepInput([SequenceInput(0, [0] * tokens, 0, table, list(range(tokens)), GREEDY)]))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     del profiler

@@ -12,28 +12,21 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterable, Sequence
-from itertools import chain, compress, repeat
+from collections.abc import Sequence
+from itertools import compress
 
 import torch
 
 from ...kernels import KernelBackend, swap_blocks
 from ...kernels.linear_ops import linear_packed
-from ..common.errors import InvalidRequest
 from .attention import build_attention_metadata, int_tensor
 from .dense_attention import DenseLayer, build_dense_metadata
+from .model import cpu_decode
 from .model.config import ModelConfig
 from .model.llama import KVCache, LlamaForCausalLM, Metadata
 from .sampling import sample
-from .step_types import (
-    LAST_SAMPLED,
-    MAX_TOP_LOGPROBS,
-    HeldInputs,
-    LastSampled,
-    SampledToken,
-    SequenceInput,
-    StepInput,
-)
+from .step_checks import StepChecks
+from .step_types import LAST_SAMPLED, LastSampled, SampledToken, SequenceInput, StepInput
 from .virtual_kv import SequenceKV
 
 
@@ -41,6 +34,17 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     """K and V of every layer for block_size tokens."""
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+
+
+def model_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor, meta: Metadata,
+                  kv_caches: list[KVCache]) -> torch.Tensor:
+    """The model over a batch, [num_tokens, hidden] after the final norm: through its layers, or for a step of
+    decodes only on the cpu backend, that backend's decode forward (cpu_decode.py: the same kernels, the glue once
+    per step). Chosen here: the model knows no backend's fast path."""
+    x, rope = model.embed(input_ids, positions)
+    if cpu_decode.applies(model.backend, meta, kv_caches, x):
+        return cpu_decode.decode_forward(model, x, rope, meta, kv_caches)  # type: ignore[arg-type]
+    return model.forward_layers(x, rope, meta, kv_caches)
 
 
 class ModelRunner:
@@ -87,10 +91,8 @@ class ModelRunner:
         ]
         # Overlapped steps: the tokens the last step sampled, the next step's inputs where it says LAST_SAMPLED.
         self.last_sampled = LastSampled()
-        # Each sequence's block table whose ids were checked, by object: tables are replaced, never changed in
-        # place (the scheduler's, and those a server holds), so a step checks only the tables that changed. Kept
-        # by the rules of the tables a server holds: recorded per valid step, forgotten at a release or reset.
-        self._checked_tables = HeldInputs()
+        self.checks = StepChecks(config.vocab_size, max_model_len, block_size, num_blocks, num_cpu_blocks,
+                                 self.last_sampled, sequence_kv)
         # The torch path plans the decodes' cache reads once per step (block_size, num_kv_heads, num_heads).
         self._gather_geometry = (block_size, config.num_kv_heads, config.num_heads) if backend.name == "torch" else None
         self._logits = torch.empty(0, config.vocab_size, device=self.device)
@@ -99,140 +101,24 @@ class ModelRunner:
     def reset(self) -> None:
         """Forgets every step and sequence (the frontend starts over; its block manager is empty too)."""
         self.last_sampled.clear()
-        self._checked_tables.clear()
+        self.checks.reset()
         self._decode_tables = None
         if self.sequence_kv is not None:
             self.sequence_kv.reset()
 
-    def validate(self, step: StepInput) -> bool:
-        """Raises InvalidRequest naming the field; nothing has changed when it does. Every step's sequences are
-        checked as columns (C loops over the step); only one that fails there is walked sequence by sequence,
-        for the error that names the field. True when the step is the last one's batch again (`same_batch`)."""
-        seqs = step.sequences
-        repeated = self._repeats_batch(step)
-        if not repeated:
-            if seqs and not self._columns_valid(seqs, step.step_id):
-                self._check_each(seqs, step.step_id)
-            checked = self._checked_tables.tables
-            new_tables = list(map(operator.is_not, map(checked.get, map(_SEQ_ID, seqs)), map(_TABLE, seqs)))
-            for i in compress(range(len(seqs)), new_tables):  # O(table) per sequence: only a new table
-                _check_ids(seqs[i].block_table, self.num_blocks, f"sequences[{i}].block_table")
-        if self.sequence_kv is not None:
-            moves = next((name for name in ("swap_out", "swap_in", "copies") if getattr(step, name)), None)
-            if moves is not None:
-                raise InvalidRequest(f"{moves}: a per-sequence KV layout shares no blocks and has no swap pool")
-            self.sequence_kv.check(seqs, step.released_seq_ids)
-        for name, pairs, src_limit, dst_limit in (
-            ("swap_out", step.swap_out, self.num_blocks, self.num_cpu_blocks),
-            ("swap_in", step.swap_in, self.num_cpu_blocks, self.num_blocks),
-            ("copies", step.copies, self.num_blocks, self.num_blocks),
-        ):
-            for j, (src, dst) in enumerate(pairs):
-                if not (0 <= src < src_limit and 0 <= dst < dst_limit):
-                    raise InvalidRequest(f"{name}[{j}]: block ({src} -> {dst}) outside the cache")
-        if repeated:  # the step is valid: its tables are checked
-            self._checked_tables.commit_repeated(step)
-        else:
-            self._checked_tables.commit(step, samplings_sent=False)
-        return repeated
+    def execute(self, step: StepInput) -> list[SampledToken]:
+        """Checks the step (InvalidRequest naming the field, the cache untouched), then runs it: what the boundary
+        calls, the executor's server and the in-process port, for a step built elsewhere."""
+        return self._run(step, self.checks.validate(step))
 
-    def _repeats_batch(self, step: StepInput) -> bool:
-        """Whether a `same_batch` step is the batch of the last step validated here again, one position on: the
-        same sequences with the same table objects, hence the sampling parameters that step checked (held with
-        them), and slots by the slot rule (the server derived them). Then only what the step adds is checked:
-        each position within the context and its table, the tokens it asks for. Else it is checked as any."""
-        batch = self._checked_tables.batch
-        if not step.same_batch or batch is None or step.step_id != batch[0] + 1:
-            return False
-        seq_ids, token_lists, starts, tables, _, _ = zip(*step.sequences, strict=True)
-        checked, bs = self._checked_tables.tables, self.block_size
-        return (seq_ids == batch[1] and starts == batch[2] and all(map(operator.is_, map(checked.get, seq_ids), tables))
-                and max(starts) < self.max_model_len
-                and all(map(operator.lt, starts, map(operator.mul, map(len, tables), repeat(bs))))
-                and token_lists.count([LAST_SAMPLED]) == len(token_lists)
-                and self.last_sampled.allows(step.step_id, seq_ids, token_lists))
-
-    def _columns_valid(self, seqs: Sequence[SequenceInput], step_id: int) -> bool:
-        """Whether every rule of `_check_each` but the block ids holds, tested over the step's columns: True only
-        when `_check_each` would pass."""
-        seq_ids, token_lists, starts, tables, slot_lists, samplings = zip(*seqs, strict=True)
-        num_tokens = list(map(len, token_lists))
-        if len(set(seq_ids)) != len(seq_ids) or min(num_tokens) < 1 or list(map(len, slot_lists)) != num_tokens:
-            return False
-        ends = list(map(operator.add, starts, num_tokens))
-        bs = self.block_size
-        if max(ends) > self.max_model_len or not all(map(operator.le, ends, map(operator.mul, map(len, tables),
-                                                                                   repeat(bs)))):
-            return False
-        tokens = list(chain.from_iterable(token_lists))
-        if max(tokens) >= self.config.vocab_size:
-            return False
-        if min(tokens) < 0 and (min(tokens) < LAST_SAMPLED  # only LAST_SAMPLED, where the last step sampled
-                                or not self.last_sampled.allows(step_id, seq_ids, token_lists)):
-            return False
-        if max(num_tokens) == 1:  # each token's slot is in its block: table[pos // bs] * bs + pos % bs
-            positions: Iterable[int] = starts
-            token_tables: Iterable[Sequence[int]] = tables
-        else:
-            positions = chain.from_iterable(map(range, starts, ends))
-            token_tables = chain.from_iterable(map(repeat, tables, num_tokens))
-        positions = list(positions)
-        blocks = map(operator.getitem, token_tables, map(operator.floordiv, positions, repeat(bs)))
-        in_block = map(operator.add, map(operator.mul, blocks, repeat(bs)), map(operator.mod, positions, repeat(bs)))
-        if not all(map(operator.eq, in_block, chain.from_iterable(slot_lists))):
-            return False
-        sampled = list(filter(None, samplings))
-        if sampled:  # `0.0 <= x` is False for NaN, as the per-sequence check's comparisons are
-            temperature, top_k, top_p, _, num_top_logprobs = zip(*sampled, strict=True)
-            return (all(map((0.0).__le__, temperature)) and min(top_k) >= 0 and all(map((0.0).__le__, top_p))
-                    and all(map((1.0).__ge__, top_p)) and max(num_top_logprobs) <= MAX_TOP_LOGPROBS)
-        return True
-
-    def _check_each(self, seqs: Sequence[SequenceInput], step_id: int) -> None:
-        """The step's rules sequence by sequence, in order: raises InvalidRequest for the first one broken."""
-        vocab, bs, checked = self.config.vocab_size, self.block_size, self._checked_tables.tables
-        seen = set()
-        for i, seq in enumerate(seqs):
-            at = f"sequences[{i}]"
-            if seq.seq_id in seen:
-                raise InvalidRequest(f"{at}.seq_id: sequence {seq.seq_id} appears twice in the step")
-            seen.add(seq.seq_id)
-            if not seq.token_ids:
-                raise InvalidRequest(f"{at}.token_ids: must not be empty")
-            known_tokens = seq.token_ids
-            if LAST_SAMPLED in seq.token_ids:
-                self.last_sampled.check(step_id, seq.seq_id, seq.token_ids, f"{at}.token_ids")
-                known_tokens = []
-            bad = next((t for t in known_tokens if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidRequest(f"{at}.token_ids: token id {bad} outside the vocabulary [0, {vocab})")
-            end = seq.start_position + len(seq.token_ids)
-            if end > self.max_model_len:
-                raise InvalidRequest(
-                    f"{at}.start_position: positions up to {end} exceed the context of {self.max_model_len}"
-                )
-            if len(seq.slot_mapping) != len(seq.token_ids):
-                raise InvalidRequest(
-                    f"{at}.slot_mapping: {len(seq.slot_mapping)} slots for {len(seq.token_ids)} tokens"
-                )
-            if len(seq.block_table) * bs < end:
-                raise InvalidRequest(f"{at}.block_table: {len(seq.block_table)} blocks cannot hold {end} tokens")
-            if checked.get(seq.seq_id) is not seq.block_table:  # O(table) per sequence: only a new table
-                _check_ids(seq.block_table, self.num_blocks, f"{at}.block_table")
-            for offset, slot in enumerate(seq.slot_mapping):
-                pos = seq.start_position + offset
-                if slot != seq.block_table[pos // bs] * bs + pos % bs:
-                    raise InvalidRequest(f"{at}.slot_mapping: slot {slot} of position {pos} is not in its block")
-            if seq.sampling is not None:
-                s = seq.sampling
-                if not (s.temperature >= 0 and 0 <= s.top_p <= 1 and s.top_k >= 0):
-                    raise InvalidRequest(f"{at}.sampling: temperature >= 0, 0 <= top_p <= 1, top_k >= 0 required")
-                if s.num_top_logprobs > MAX_TOP_LOGPROBS:
-                    raise InvalidRequest(f"{at}.sampling.num_top_logprobs: at most {MAX_TOP_LOGPROBS}")
+    def run(self, step: StepInput) -> list[SampledToken]:
+        """Runs a step its caller built to the rules (warm-up, profiling, benchmarks), unchecked: a `same_batch` one
+        must be the last step's batch again, one position on."""
+        return self._run(step, step.same_batch)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> list[SampledToken]:
-        repeated = self.validate(step)
+    def _run(self, step: StepInput, repeated: bool) -> list[SampledToken]:
+        """Block moves, the forward pass, sampling; `repeated`: the sequences are the last step's batch again."""
         last_sampled = self.last_sampled.start(step.step_id)
         if self.sequence_kv is not None:
             self.sequence_kv.release(step.released_seq_ids)
@@ -241,7 +127,7 @@ class ModelRunner:
             return []
         seqs = _prefills_first(step.sequences)
         input_ids, positions, meta = self._build_batch(seqs, last_sampled, step.step_id, repeated)
-        hidden = self.model(input_ids, positions, meta, self._layer_caches)  # [num_tokens, hidden]
+        hidden = model_forward(self.model, input_ids, positions, meta, self._layer_caches)  # [num_tokens, hidden]
         seq_ids, token_lists, starts, _, _, samplings = zip(*seqs, strict=True)
         num_tokens = list(map(len, token_lists))
         next_positions = list(map(operator.add, starts, num_tokens))  # of each sequence's next token
@@ -334,8 +220,6 @@ class ModelRunner:
             self.backend.copy_blocks([c for kv in self.kv_caches for c in kv], mapping)
 
 
-_SEQ_ID = operator.itemgetter(0)  # a SequenceInput's
-_TABLE = operator.itemgetter(3)
 _TOKENS = operator.itemgetter(1)
 _FIRST = operator.itemgetter(0)  # of a one-token list
 
@@ -346,9 +230,3 @@ def _prefills_first(sequences: Sequence[SequenceInput]) -> Sequence[SequenceInpu
     if max(map(len, map(_TOKENS, sequences))) == 1:
         return sequences
     return sorted(sequences, key=lambda s: len(s.token_ids) == 1)
-
-
-def _check_ids(values: Sequence[int], limit: int, where: str) -> None:
-    bad = next((v for v in values if not 0 <= v < limit), None)
-    if bad is not None:
-        raise InvalidRequest(f"{where}: {bad} outside [0, {limit})")

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import operator
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from itertools import accumulate, chain, compress, repeat
 
 import grpc.aio
 
@@ -24,101 +22,12 @@ from ..common.addresses import add_allow_remote_argument, check_sidecar_listen
 from ..common.errors import InvalidRequest, NotReady
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from ..common.tracing import message_span
-from .client import EXECUTE_METHOD
+from .codec import EXECUTE_METHOD, SERVICE_NAME, info_to_proto, step_from_proto, tokens_to_proto
 from .engine_config import build_runner
+from .held_inputs import HeldInputs
 from .options import ExecutorConfig, add_executor_arguments
 from .runner import ModelRunner
-from .step_types import HeldInputs, SampledToken, SamplingParams, SequenceInput, StepInput, new_row
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
-
-
-# a step's per-sequence fields: a `same_batch` step has none
-SEQUENCE_FIELDS = ("seq_ids", "num_tokens", "start_positions", "block_table_lens", "sample", "token_ids",
-                   "slot_mapping", "block_tables", "temperature", "top_k", "top_p", "seed", "num_top_logprobs",
-                   "table_held", "table_kept", "sampling_held")
-
-
-def step_from_proto(r: pb.ExecuteRequest, held: HeldInputs | None = None, block_size: int = 0) -> StepInput:
-    """Splits the packed arrays into sequences, with the tables and sampling parameters `held` for them filled in
-    (`table_held`, `table_kept`, `sampling_held`), or a `same_batch` step's from the held batch (its slots by the
-    slot rule over `block_size`); InvalidRequest when their lengths disagree or an input is not held. Each
-    repeated field is read once (a pass over one makes its ints anew), and in the steady state (every sequence
-    decodes, every input held) nothing is walked by a Python loop."""
-    held = held if held is not None else HeldInputs()
-    swap_out, swap_in, copies = ([(c.src, c.dst) for c in moves] for moves in (r.swap_out, r.swap_in, r.copies))
-    if r.same_batch:
-        named = next((name for name in SEQUENCE_FIELDS if len(getattr(r, name))), None)
-        if named is not None:
-            raise InvalidRequest(f"{named}: must be empty in a same_batch step (its sequences are the last step's)")
-        if block_size <= 0:
-            raise ValueError("a same_batch step needs the cache's block size for its slots")
-        return StepInput(held.repeated_batch(r.step_id, block_size), swap_out, swap_in, copies, r.step_id,
-                         list(r.released_seq_ids), same_batch=True)
-    seq_ids = list(r.seq_ids)
-    num_seqs = len(seq_ids)
-    for name in ("num_tokens", "start_positions", "block_table_lens", "sample"):
-        if len(getattr(r, name)) != num_seqs:
-            raise InvalidRequest(f"{name}: {len(getattr(r, name))} entries for {num_seqs} sequences")
-    num_tokens, table_lens, table_held = list(r.num_tokens), list(r.block_table_lens), list(r.table_held)
-    if table_held:
-        if len(table_held) != num_seqs:
-            raise InvalidRequest(f"table_held: {len(table_held)} entries for {num_seqs} sequences (or none)")
-        if any(table_lens) and any(map(operator.and_, table_held, table_lens)):  # in C; the index for the error
-            bad = next(i for i, (is_held, n) in enumerate(zip(table_held, table_lens, strict=True)) if is_held and n)
-            raise InvalidRequest(f"block_table_lens[{bad}]: {table_lens[bad]} blocks for a table the executor holds"
-                                 " (table_held): must be 0")
-    decodes = num_tokens.count(1) == num_seqs  # one token each
-    num_all_tokens = num_seqs if decodes else sum(num_tokens)
-    for name, wanted in (("token_ids", num_all_tokens), ("slot_mapping", num_all_tokens),
-                         ("block_tables", sum(table_lens))):
-        if len(getattr(r, name)) != wanted:
-            raise InvalidRequest(f"{name}: {len(getattr(r, name))} entries, the sequences' lengths add up to {wanted}")
-    flags = list(r.sample)
-    for name in ("top_k", "top_p", "seed", "num_top_logprobs"):
-        if len(getattr(r, name)) != len(r.temperature):
-            raise InvalidRequest(f"{name}: {len(getattr(r, name))} entries for {len(r.temperature)} temperatures")
-    top_p = list(r.top_p)
-    if top_p and min(top_p) <= 0:  # unset: off
-        top_p = [p if p > 0 else 1.0 for p in top_p]
-    sent = list(map(new_row, repeat(SamplingParams),  # checked equally long just above
-                    zip(r.temperature, r.top_k, top_p, r.seed, r.num_top_logprobs, strict=True)))
-    all_sample = flags.count(True) == num_seqs
-    sampled = held.resolve_sampling(seq_ids if all_sample else list(compress(seq_ids, flags)), list(r.sampling_held),
-                                    sent)
-    params: Sequence[SamplingParams | None] = sampled
-    if not all_sample:  # some sequences do not sample (prefill chunks)
-        each = iter(sampled)
-        params = [next(each) if sample else None for sample in flags]
-    tokens, slots, tables = list(r.token_ids), list(r.slot_mapping), list(r.block_tables)
-    if decodes:
-        token_lists, slot_lists = [[t] for t in tokens], [[s] for s in slots]
-    else:
-        ends = list(accumulate(num_tokens))
-        token_lists = [tokens[end - n : end] for n, end in zip(num_tokens, ends, strict=True)]
-        slot_lists = [slots[end - n : end] for n, end in zip(num_tokens, ends, strict=True)]
-    table_lists: Sequence[Sequence[int]] = [()] * num_seqs  # every table held: `resolve_tables` fills them all
-    if tables:
-        table_lists = [tables[end - n : end] for n, end in zip(table_lens, accumulate(table_lens), strict=True)]
-    table_kept = list(r.table_kept)
-    if table_held or table_kept:
-        table_lists = held.resolve_tables(seq_ids, table_lists, table_held, table_kept)
-    # columns to rows in C (map over the columns), not one Python pass per sequence
-    sequences = list(map(new_row, repeat(SequenceInput),
-                         zip(seq_ids, token_lists, r.start_positions, table_lists, slot_lists, params, strict=True)))
-    return StepInput(sequences, swap_out, swap_in, copies, r.step_id, list(r.released_seq_ids))
-
-
-def tokens_to_proto(tokens: list[SampledToken]) -> pb.ExecuteResponse:
-    if not tokens:
-        return pb.ExecuteResponse()
-    seq_ids, token_ids, logprobs, top_ids, top_values = zip(*tokens, strict=True)  # columns, in C
-    response = pb.ExecuteResponse(seq_ids=seq_ids, token_ids=token_ids, logprobs=logprobs)
-    if any(top_ids):
-        response.num_top.extend(map(len, top_ids))
-        response.top_token_ids.extend(chain.from_iterable(top_ids))
-        response.top_logprobs.extend(chain.from_iterable(top_values))
-    return response
+from .step_types import SampledToken, StepInput
 
 
 class _Stream:
@@ -146,7 +55,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         """Loads the model and runs the warm-up step on the step thread, off the event loop."""
         loop = asyncio.get_running_loop()
         runner, info = await loop.run_in_executor(self.thread, build_runner, self.config)
-        self.info = pb.InfoResponse(**{**vars(info), "eos_token_ids": list(info.eos_token_ids)})
+        self.info = info_to_proto(info)
         self.runner = runner
 
     async def Execute(self, requests: AsyncIterator[pb.ExecuteRequest],

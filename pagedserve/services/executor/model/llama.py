@@ -8,9 +8,10 @@ Q/K/V and gate/up are each one Linear (fused by the loaders), so a layer runs fo
 The norms (each with the residual add before it), the rotary embedding and SiLU * up are the kernel
 backend's (`KernelBackend`): with the torch and Triton backends, transformers' own arithmetic (fp32 results
 match it to rounding); with the CPU backend, one-pass C kernels within a few ulp of it. So are the matmuls
-of the linear layers and the LM head: `F.linear`, or on the CPU backend oneDNN's with packed weights. On the
-cpu backend a step of decodes only runs `cpu_decode.decode_forward` instead of `forward_layers`: the same kernels
-in the same order, its checks, buffers and lookups once per step rather than once per layer.
+of the linear layers and the LM head: `F.linear`, or on the CPU backend oneDNN's with packed weights. The model
+knows no backend's fast path: on the cpu backend the runner runs a step of decodes only through
+`cpu_decode.decode_forward` instead of `forward_layers` (the same kernels in the same order, its checks, buffers
+and lookups once per step rather than once per layer).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from ....kernels import KernelBackend
 from ....kernels.linear_ops import PackedWeight, linear_packed
 from ..attention import AttentionMetadata, paged_attention
 from ..dense_attention import DenseAttentionMetadata, DenseLayer, dense_attention
-from . import cpu_decode
 from .config import ModelConfig
 from .rope import RopeTables, RotaryEmbedding
 
@@ -209,17 +209,20 @@ class LlamaForCausalLM(nn.Module):
         meta: Metadata,
         kv_caches: list[KVCache],  # one per layer
     ) -> torch.Tensor:  # [num_tokens, hidden], after the final norm
-        assert len(kv_caches) == len(self.layers), f"{len(kv_caches)} KV caches for {len(self.layers)} layers"
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        rope = self.rotary(positions, x.dtype)
-        if cpu_decode.applies(self.backend, meta, kv_caches, x):  # the same kernels, the glue once per step
-            return cpu_decode.decode_forward(self, x, rope, meta, kv_caches)  # type: ignore[arg-type]
+        x, rope = self.embed(input_ids, positions)
         return self.forward_layers(x, rope, meta, kv_caches)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, RopeTables]:
+        """The embedded tokens [num_tokens, hidden] and the rotary tables of their positions: what every forward
+        over the layers starts from (this model's `forward_layers`, or a backend's own, chosen by the runner)."""
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        return x, self.rotary(positions, x.dtype)
 
     def forward_layers(self, x: torch.Tensor, rope: RopeTables, meta: Metadata, kv_caches: list[KVCache]
                        ) -> torch.Tensor:
         """The decoder layers and the final norm over the embedded tokens `x` (added to in place): every
         backend, every batch."""
+        assert len(kv_caches) == len(self.layers), f"{len(kv_caches)} KV caches for {len(self.layers)} layers"
         delta: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, delta = layer(rope, x, delta, meta, kv_cache)
