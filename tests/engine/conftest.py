@@ -10,8 +10,8 @@ import pytest
 import torch
 from tiny_model import EOS, VOCAB
 
+from pagedserve.services.block_manager.contract import AdvanceOp, DecodeOp, Op, SpareOp, StepAnswer
 from pagedserve.services.block_manager.manager import BlockManager
-from pagedserve.services.block_manager.step import AdvanceOp, DecodeOp, Op, SpareOp, StepAnswer
 from pagedserve.services.executor.engine_config import build_runner, dtype_name
 from pagedserve.services.executor.options import ExecutorConfig
 from pagedserve.services.executor.runner import ModelRunner

@@ -9,9 +9,12 @@ from typing import Any
 import pytest
 import torch
 
-from pagedserve.services.block_manager.step import AdvanceOp, FreeOp, SpareOp
+from pagedserve.services.block_manager.contract import AdvanceOp, BlockStats, FreeOp, SpareOp
 from pagedserve.services.common.errors import InvalidRequest, OutOfCapacity
+from pagedserve.services.common.kv_geometry import blocks_for
 from pagedserve.services.frontend.engine import Engine
+from pagedserve.services.frontend.engine_loop import EngineLoop
+from pagedserve.services.frontend.metrics import ServingMetrics
 from pagedserve.services.frontend.request import GenerationParams, Request
 
 EngineFactory = Callable[..., tuple[Engine, Any]]  # the make_engine fixture (tests/engine/conftest.py)
@@ -26,7 +29,7 @@ def run(engine: Engine, prompts: list[list[int]], params: GenerationParams) -> t
     while engine.has_work:
         engine.step()
         peak_used = max(peak_used, engine.scheduler.stats.num_used_blocks)
-        check_ledgers(engine, engine.scheduler.block_manager.manager)  # type: ignore[attr-defined]
+        check_ledgers(engine, engine.scheduler.kv.port.manager)  # type: ignore[attr-defined]
     return requests, peak_used
 
 
@@ -39,11 +42,11 @@ def check_ledgers(engine: Engine, manager: Any) -> None:
         held = manager.seqs[seq.seq_id]
         assert held.num_slots == seq.num_computed - seq.num_local_slots, (seq.seq_id, held.num_slots, seq)
         table = [b.block_id for b in held.block_table]
-        spare_unseen = engine.scheduler.has_deferred_answer and table[:-1] == seq.block_table
+        spare_unseen = engine.scheduler.kv.has_deferred_answer and table[:-1] == seq.block_table
         assert table == seq.block_table or spare_unseen, (seq.seq_id, table, seq.block_table)
         if seq.num_local_slots:
             assert seq.tail_private and seq.num_computed <= len(seq.block_table) * bs, seq.seq_id
-            placed = held.block_table[held.num_slots // bs : -(-seq.num_computed // bs)]
+            placed = held.block_table[held.num_slots // bs : blocks_for(seq.num_computed, bs)]
             assert all(block.ref_count == 1 for block in placed), seq.seq_id
 
 
@@ -83,8 +86,8 @@ def test_decodes_into_an_own_tail_block_send_no_block_manager_op(make_engine: En
     engine, manager = make_engine()
     got, _ = run(engine, PROMPTS, GREEDY)
     assert outputs(got) == outputs(expected)
-    counts = engine.scheduler.block_manager.op_counts  # type: ignore[attr-defined]
-    reference_counts = reference.scheduler.block_manager.op_counts  # type: ignore[attr-defined]
+    counts = engine.scheduler.kv.port.op_counts  # type: ignore[attr-defined]
+    reference_counts = reference.scheduler.kv.port.op_counts  # type: ignore[attr-defined]
     # the reference's Advances only commit (before a Free or a prompt chunk); ours also tell the placed slots
     assert reference_counts["AdvanceOp"] < counts["AdvanceOp"]
     assert 0 < counts["DecodeOp"] <= reference_counts["DecodeOp"] // 2, (counts, reference_counts)
@@ -101,7 +104,7 @@ def test_spare_blocks_let_most_steps_make_no_block_manager_call(make_engine: Eng
     engine, manager = make_engine(block_size=8)
     got, _ = run(engine, PROMPTS, GREEDY)
     assert outputs(got) == outputs(expected)
-    port, reference_port = engine.scheduler.block_manager, reference.scheduler.block_manager
+    port, reference_port = engine.scheduler.kv.port, reference.scheduler.kv.port
     assert reference_port.op_counts["SpareOp"] == 0 < port.op_counts["SpareOp"]  # type: ignore[attr-defined]
     assert port.op_counts["DecodeOp"] < reference_port.op_counts["DecodeOp"]  # type: ignore[attr-defined]
     assert port.num_calls < reference_port.num_calls, (port.num_calls, reference_port.num_calls)  # type: ignore[attr-defined]
@@ -119,7 +122,7 @@ def test_spares_are_taken_before_a_decode_needs_a_block_and_their_answers_are_no
     reference, _ = make_engine(block_size=8, spare_lookahead=0)
     expected, _ = run(reference, PROMPTS, params)
     engine, manager = make_engine(block_size=8)
-    port, submit = engine.scheduler.block_manager, engine.executor.submit
+    port, submit = engine.scheduler.kv.port, engine.executor.submit
     events: list[tuple[str, int]] = []  # ("send" | "answer" | "submit", call index or step id)
     spare_calls: list[int] = []  # the calls of only an Advance, Spares and Frees, Spares among them
     send = port.send
@@ -208,11 +211,11 @@ def test_a_quiet_plan_is_the_full_plan_without_the_pass(make_engine: EngineFacto
         nonlocal checked
         planned = quiet_plan()
         if planned is not None:
-            left = scheduler._quiet_steps
+            left = scheduler.fast.quiet_steps
             full = scheduler._plan_full()  # no side effect when the quiet plan is right: no op, no catch-up
-            assert full is not None and full.routes == [] and not scheduler.advance
+            assert full is not None and full.routes == [] and not scheduler.kv.has_ops_due
             assert len(full.local) == len(planned.local) and all(map(lambda a, b: a is b, full.local, planned.local))
-            assert scheduler._quiet_steps == left
+            assert scheduler.fast.quiet_steps == left
             checked += 1
         return planned
 
@@ -313,7 +316,7 @@ def test_a_fork_after_a_prompt_chunk_the_scheduler_placed_itself(make_engine: En
     params = GenerationParams(max_tokens=6, temperature=1.0, seed=99, n=3, ignore_eos=True)
     engine, manager = make_engine(max_num_batched_tokens=5)
     (request,), _ = run(engine, [prompt], params)
-    assert engine.scheduler.block_manager.op_counts["AdvanceOp"] > 0  # type: ignore[attr-defined]
+    assert engine.scheduler.kv.port.op_counts["AdvanceOp"] > 0  # type: ignore[attr-defined]
     for index, sample in enumerate(outputs([request])[0]):
         lone = GenerationParams(max_tokens=6, temperature=1.0, seed=99 + index, ignore_eos=True)
         (single,), _ = run(make_engine(max_num_batched_tokens=5)[0], [prompt], lone)
@@ -428,11 +431,30 @@ class LostAnswer:
         raise ConnectionError("the block manager is gone")
 
 
+class InProcessSidecars:
+    """The engine's sidecars in process, for the engine loop's recovery: a sync resets both, as `Sidecars.sync`
+    does over gRPC (the executor's Reset drops the tokens it kept for the next step)."""
+
+    def __init__(self, engine: Engine, manager: Any) -> None:
+        self.runner, self.manager = engine.executor.runner, manager  # type: ignore[attr-defined]
+
+    def sync(self) -> BlockStats:
+        self.runner.last_sampled.clear()
+        self.manager.reset()
+        return self.manager.stats()  # type: ignore[no-any-return]
+
+    def probe(self) -> None:
+        pass
+
+    def check_block_manager(self) -> None:
+        pass
+
+
 @pytest.mark.parametrize("in_answer", [False, True], ids=["between-steps", "in-answer"])
 @pytest.mark.parametrize("after_steps", [1, 7, 15])
 def test_starting_over_after_a_lost_sidecar_keeps_every_output(make_engine: EngineFactory, after_steps: int,
                                                                in_answer: bool) -> None:
-    """What the frontend does when a sidecar is lost, in process: the steps in flight are void, every
+    """What the engine loop does when a sidecar is lost, in process: the steps in flight are void, every
     sequence is recomputed from the tokens it has, both sidecars start empty; outputs (greedy and seeded
     samples, n > 1) are as without the loss, and no token is delivered twice or lost, also when the block
     manager is lost while the engine collects a step (its tokens are recorded, then the answer fails)."""
@@ -448,22 +470,22 @@ def test_starting_over_after_a_lost_sidecar_keeps_every_output(make_engine: Engi
             for o in output.outputs:
                 delivered.setdefault(o.seq_id, []).extend(o.new_token_ids)
     if in_answer:
-        send = engine.scheduler.block_manager.send
-        engine.scheduler.block_manager.send = lambda ops: (send(ops), LostAnswer())[1]  # type: ignore[method-assign]
+        send = engine.scheduler.kv.port.send
+        engine.scheduler.kv.port.send = lambda ops: (send(ops), LostAnswer())[1]  # type: ignore[method-assign]
         with pytest.raises(ConnectionError):
             for _ in range(20):  # up to the next step that calls the block manager (with spares, not every step)
                 for output in engine.step():
                     for o in output.outputs:
                         delivered.setdefault(o.seq_id, []).extend(o.new_token_ids)
-        engine.scheduler.block_manager.send = send  # type: ignore[method-assign]
+        engine.scheduler.kv.port.send = send  # type: ignore[method-assign]
         for output in engine.take_undelivered():
             for o in output.outputs:
                 delivered.setdefault(o.seq_id, []).extend(o.new_token_ids)
-    engine.drain()  # the lost steps' tokens are never seen
-    engine.scheduler.restart()
-    manager.reset()
-    engine.executor.runner.last_sampled.clear()  # what the executor's Reset does
-    engine.scheduler.stats = manager.stats()
+    loop = EngineLoop(engine, ServingMetrics(ttft_slo_ms=1000.0, tpot_slo_ms=100.0), max_waiting_requests=64,
+                      sidecars=InProcessSidecars(engine, manager))
+    loop.lose_sidecar(ConnectionError("the block manager is gone"))  # the lost steps' tokens are never seen
+    loop.resync()
+    assert loop.down_since is None and loop.num_recoveries == 1
     while engine.has_work:
         for output in engine.step():
             for o in output.outputs:

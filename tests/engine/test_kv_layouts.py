@@ -103,7 +103,7 @@ def test_virtual_commits_exactly_its_blocks_and_releases_them(make_engine: Facto
         nonlocal checked, peak
         peak = max(peak, kv.committed_bytes)
         # frees the executor has not been told of yet, or spares the scheduler has not: it is a step behind
-        if not engine.scheduler.released and not engine.scheduler.has_deferred_answer:
+        if not engine.scheduler.kv.has_released and not engine.scheduler.kv.has_deferred_answer:
             assert kv.committed_bytes == manager.stats().num_used_blocks * block_bytes
             checked += 1
 
@@ -112,7 +112,7 @@ def test_virtual_commits_exactly_its_blocks_and_releases_them(make_engine: Facto
     assert engine.scheduler.num_preemptions["recompute"] > 0
     assert checked > 50 and 0 < peak <= 7 * block_bytes
     assert kv.num_page_commits * 4096 > peak  # pages released and committed again
-    runner.execute(StepInput([], released_seq_ids=engine.scheduler.released))  # the idle engine's last frees
+    runner.execute(StepInput([], released_seq_ids=engine.scheduler.kv.take_released()))  # the idle engine's last frees
     assert kv.committed_bytes == 0 and not kv.regions
 
 

@@ -32,7 +32,7 @@ async def read(serving: Serving, request_id: str, stop: tuple[str, ...] = (), be
     chunks = [await anext(stream)]
     if behind:
         deadline = time.monotonic() + 60
-        while request_id in serving.backend.loop.engine.scheduler.requests:  # still in the engine
+        while serving.backend.loop.engine.request(request_id) is not None:  # still in the engine
             assert time.monotonic() < deadline, "the request never finished"
             await asyncio.sleep(0.01)
     chunks += [item async for item in stream]

@@ -31,7 +31,7 @@ from pagedserve.services.frontend.request import (
     Request,
     RequestMetrics,
     SeqStatus,
-    SequenceState,
+    Sequence,
 )
 
 
@@ -70,7 +70,7 @@ def make_request(prompt_len: int, samples: list[tuple[int, FinishReason]], times
     params = GenerationParams(max_tokens=8, n=len(samples))
     request = Request(f"r{id(times)}", list(range(prompt_len)), params, b"ns", seed=0, metrics=times)
     for index, (num_tokens, reason) in enumerate(samples):
-        seq = SequenceState(index, request, index, list(range(prompt_len + num_tokens)), SeqStatus.FINISHED)
+        seq = Sequence(index, request, index, list(range(prompt_len + num_tokens)), SeqStatus.FINISHED)
         seq.finish_reason = reason
         request.seqs.append(seq)
     request.num_unforked = 0

@@ -15,9 +15,12 @@ from __future__ import annotations
 import contextlib
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
+from ..block_manager.contract import BlockStats
 from ..block_manager.prefix_hash import cache_namespace
 from ..common.errors import ExceedsCapacity, InvalidRequest
+from ..common.kv_geometry import blocks_for
 from .ports import ExecutorPort, RunningStep
 from .request import GenerationParams, Request, StepOutput
 from .scheduler import PlannedStep, ScheduledStep, Scheduler
@@ -72,7 +75,7 @@ class Engine:
     ) -> Request:
         """Queues a request that already passed `check` (the server checks in its API thread). A `final_only`
         request's caller reads its outputs from it at the end (`Request.final_only`)."""
-        if request_id in self.scheduler.requests:
+        if self.scheduler.request(request_id) is not None:
             raise InvalidRequest(f"request_id: {request_id!r} is already running")
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         request = Request(request_id, list(prompt_token_ids), params, self.namespace(tenant_salt), seed,
@@ -98,7 +101,7 @@ class Engine:
             )
         bs = limits.block_size
         # the prompt's blocks are shared by the n samples; each sample's own tail and output are not
-        blocks = len(prompt_token_ids) // bs + params.n * (-(-(len(prompt_token_ids) % bs + params.max_tokens) // bs))
+        blocks = len(prompt_token_ids) // bs + params.n * blocks_for(len(prompt_token_ids) % bs + params.max_tokens, bs)
         if blocks > limits.num_blocks:
             raise ExceedsCapacity(
                 f"the request needs up to {blocks} KV blocks of {bs} tokens; the cache holds {limits.num_blocks}"
@@ -151,6 +154,51 @@ class Engine:
         while self.in_flight and not self.scheduler.has_work:  # only void tokens can come back: collect them
             self._collect_oldest()
         return output
+
+    def finish_sample(self, request_id: str, index: int) -> Request | None:
+        """Ends sample `index` of the request (a stop string ended it) and frees its blocks now; returns the
+        request, if it was still in the engine."""
+        request = self.scheduler.finish_sample(request_id, index)
+        if request is not None:
+            self.scheduler.flush()
+        return request
+
+    def restart(self) -> None:
+        """Starts over after a lost sidecar: the steps in flight are void (waited for, never seen), and every
+        request waits to be recomputed from the tokens it has (`Scheduler.restart`)."""
+        self.drain()
+        self.scheduler.restart()
+
+    def resume(self, stats: BlockStats) -> None:
+        """The sidecars answer again, both reset (the block manager's statistics): the requests resume."""
+        self.scheduler.resume(stats)
+
+    def reset_block_manager(self) -> None:
+        """Empties the block manager after a failed step (the prefix cache may point at KV never written)."""
+        self.scheduler.reset_block_manager()
+
+    def request(self, request_id: str) -> Request | None:
+        return self.scheduler.request(request_id)
+
+    def request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
+
+    def num_waiting_requests(self) -> int:
+        """Requests with a sequence waiting for admission: new ones, and preempted ones to be recomputed."""
+        return self.scheduler.num_waiting_requests()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens recorded, ever (a final-only request has no output per step to count them from)."""
+        return self.scheduler.num_generated
+
+    def status(self) -> dict[str, Any]:
+        """The scheduler's queues, the block statistics, the preemptions so far and the KV cache's dtype."""
+        return {**self.scheduler.status(), "kv_cache_dtype": self.identity.kv_dtype}
 
     def _collect_oldest(self) -> list[StepOutput]:
         done, running = self.in_flight.pop(0)

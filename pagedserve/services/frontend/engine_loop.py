@@ -28,8 +28,8 @@ from ..common.errors import NotReady, OutOfCapacity
 from ..common.tracing import tracer, tracing_enabled
 from .engine import Engine
 from .metrics import ServingMetrics
-from .recovery import CacheMismatch, Sidecars, is_sidecar_loss
-from .request import FinishReason, GenerationParams, StepOutput
+from .recovery import CacheMismatch, SidecarSync, is_sidecar_loss
+from .request import GenerationParams, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
 
 class EngineLoop:
     def __init__(
-        self, engine: Engine, metrics: ServingMetrics, max_waiting_requests: int, sidecars: Sidecars | None = None,
+        self, engine: Engine, metrics: ServingMetrics, max_waiting_requests: int, sidecars: SidecarSync | None = None,
         recovery_timeout: float = 120.0, on_availability: Callable[[bool], None] = lambda available: None,
         stream_interval: int = 1,
     ) -> None:
@@ -151,7 +151,7 @@ class EngineLoop:
                     self._command(self._commands.get())
                 self.status = self._status()
             if self.down_since is not None:
-                self._resync()
+                self.resync()
                 continue
             if not self.engine.has_work:
                 if not self._wake.wait(timeout=PROBE_INTERVAL):
@@ -164,7 +164,7 @@ class EngineLoop:
                 self._deliver(self.engine.take_undelivered())
                 loss = self._as_loss(exc)
                 if loss is not None:
-                    self._lose(loss)
+                    self.lose_sidecar(loss)
                 else:
                     log.exception("engine step failed: failing the requests in flight")
                     self._fail_all(exc)
@@ -180,7 +180,7 @@ class EngineLoop:
             if loss is None:
                 log.exception("engine command failed")
             elif self.down_since is None:
-                self._lose(loss)
+                self.lose_sidecar(loss)
 
     def _step(self) -> list[StepOutput]:
         if not tracing_enabled():
@@ -189,7 +189,7 @@ class EngineLoop:
         links = [trace.Link(s.span) for s in self._subscribers.values() if s.span.is_valid]
         with tracer().start_as_current_span("engine.step", links=links) as span:
             outputs = self.engine.step()
-            span.set_attribute("pagedserve.num_running", len(self.engine.scheduler.running))
+            span.set_attribute("pagedserve.num_running", self.engine.num_running)
             return outputs
 
     def _add(self, request_id: str, prompt: list[int], params: GenerationParams, salt: bytes,
@@ -214,7 +214,7 @@ class EngineLoop:
 
     def _end(self, request_id: str, failed: bool = False) -> None:
         """Aborts a request still in the engine and counts how it ended (`failed`: an error, not a cancel)."""
-        request = self.engine.scheduler.requests.get(request_id)
+        request = self.engine.request(request_id)
         try:
             self.engine.abort(request_id)
         finally:
@@ -222,21 +222,15 @@ class EngineLoop:
                 self.metrics.record_ended(request, failed)
 
     def _finish_sample(self, request_id: str, index: int) -> None:
-        request = self.engine.scheduler.requests.get(request_id)
-        if request is None:
-            return
-        for seq in request.seqs:
-            if seq.index == index:
-                self.engine.scheduler.finish(seq, FinishReason.STOP)
-        self.engine.scheduler.flush()
-        if request.finished:
+        request = self.engine.finish_sample(request_id, index)
+        if request is not None and request.finished:
             _post(self._close(request_id, request))
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         posts: list[tuple[_Subscriber, Event]] = []
         # one record per step, not per request: the window holds a minute of them
-        generated = self.engine.scheduler.num_generated  # counted by the scheduler: a final-only request has no
-        self.metrics.record_tokens(generated - self._num_generated)  # output per step
+        generated = self.engine.num_generated  # counted by the engine: a final-only request has no output per step
+        self.metrics.record_tokens(generated - self._num_generated)
         self._num_generated = generated
         for output in outputs:
             request = output.request
@@ -256,7 +250,7 @@ class EngineLoop:
 
     def _fail_requests(self, exc: BaseException) -> None:
         """Ends every request in the engine, each caller answered with `exc`."""
-        for request_id in list(self.engine.scheduler.requests):
+        for request_id in self.engine.request_ids():
             subscriber = self._subscribers.pop(request_id, None)
             try:
                 self._end(request_id, failed=True)
@@ -268,7 +262,7 @@ class EngineLoop:
     def _fail_all(self, exc: Exception) -> None:
         self._fail_requests(exc)
         try:  # the failed steps may have left KV half written that the prefix cache already points at
-            self.engine.scheduler.stats = self.engine.scheduler.block_manager.reset()
+            self.engine.reset_block_manager()
         except Exception:
             log.exception("could not reset the block manager after a failed step")
         self.status = self._status()
@@ -293,22 +287,24 @@ class EngineLoop:
             self.sidecars.probe()
         except Exception as exc:
             if is_sidecar_loss(exc):
-                self._lose(exc)
+                self.lose_sidecar(exc)
             else:
                 log.exception("probing the sidecars failed")
 
-    def _lose(self, exc: Exception) -> None:
-        """A sidecar is gone: every request waits, to be recomputed once both answer again."""
-        self.engine.scheduler.restart()
+    def lose_sidecar(self, exc: Exception) -> None:
+        """A sidecar is gone (`exc` says how): the steps in flight are void, and every request waits, to be
+        recomputed once both answer again (`resync`). On the engine thread."""
+        self.engine.restart()
         self.down_since, self._next_resync = time.monotonic(), 0.0
         reason = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
         log.warning("lost a sidecar (%s): %d request(s) wait to be recomputed", reason,
-                    len(self.engine.scheduler.requests))
+                    len(self.engine.request_ids()))
         self.on_availability(False)
         self.status = self._status()
 
-    def _resync(self) -> None:
-        """One attempt (at most every RESYNC_INTERVAL) to re-synchronise the sidecars; else waits for commands."""
+    def resync(self) -> None:
+        """One attempt (at most every RESYNC_INTERVAL) to re-synchronise the sidecars after `lose_sidecar`; else
+        waits for commands. Once both answer, the requests resume. On the engine thread."""
         assert self.sidecars is not None and self.down_since is not None
         now = time.monotonic()
         if now < self._next_resync:
@@ -328,9 +324,9 @@ class EngineLoop:
                 self._refuse(f"a sidecar has not answered for {now - self.down_since:.0f} s"
                              f" (--recovery-timeout {self.recovery_timeout:g}): {exc.code().name}")
             return
-        self.engine.scheduler.stats = stats
+        self.engine.resume(stats)
         log.warning("sidecars back after %.1f s: resuming %d request(s)", now - self.down_since,
-                    len(self.engine.scheduler.requests))
+                    len(self.engine.request_ids()))
         self.down_since, self.refusing = None, ""
         self.num_recoveries += 1
         self.on_availability(True)
@@ -344,19 +340,12 @@ class EngineLoop:
 
     def _num_waiting_requests(self) -> int:
         """Requests with a sequence waiting for admission: new ones, and preempted ones to be recomputed."""
-        return len({seq.request.request_id for seq in self.engine.scheduler.waiting})
+        return self.engine.num_waiting_requests()
 
     def _status(self) -> dict[str, Any]:
-        scheduler = self.engine.scheduler
         return {
-            "num_running": len(scheduler.running),
-            "num_waiting": len(scheduler.waiting),
-            "num_swapped": len(scheduler.swapped),
-            "stats": scheduler.stats,
-            "num_preemptions_recompute": scheduler.num_preemptions["recompute"],
-            "num_preemptions_swap": scheduler.num_preemptions["swap"],
+            **self.engine.status(),
             "num_refused": self.num_refused,
             "available": self.down_since is None,
             "num_recoveries": self.num_recoveries,
-            "kv_cache_dtype": self.engine.identity.kv_dtype,
         }

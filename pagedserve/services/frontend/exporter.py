@@ -22,6 +22,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from ..block_manager.contract import BlockStats
 from .engine_loop import EngineLoop
 from .metrics import HistogramSnapshot, Totals
 
@@ -36,38 +37,14 @@ class ServingCollector(Collector):
         if loop is None:
             return
         status, window, totals = loop.status, loop.metrics.snapshot(), loop.metrics.totals()
-        stats = status["stats"]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"pagedserve_{name}", doc, value=value)
-
-        yield gauge("sidecars_available", "1 while both sidecars answer; 0 while one is lost and requests wait",
-                    status["available"])
+        yield _gauge("sidecars_available", "1 while both sidecars answer; 0 while one is lost and requests wait",
+                     status["available"])
         yield CounterMetricFamily("pagedserve_sidecar_recoveries", "times the engine resumed after losing a sidecar",
                                   value=status["num_recoveries"])
-        yield gauge("running_seqs", "sequences in the running batch", status["num_running"])
-        yield gauge("waiting_seqs", "sequences waiting for admission (new or preempted)", status["num_waiting"])
-        yield gauge("swapped_seqs", "sequences swapped out to the CPU pool", status["num_swapped"])
-        blocks = GaugeMetricFamily("pagedserve_kv_blocks", "device KV blocks by state", labels=["state"])
-        blocks.add_metric(["used"], stats.num_used_blocks)
-        blocks.add_metric(["cached"], stats.num_cached_blocks)
-        blocks.add_metric(["free"], stats.num_free_blocks - stats.num_cached_blocks)  # free counts cached ones
-        yield blocks
-        yield gauge("kv_blocks_capacity", "device KV blocks in the cache", stats.num_total_blocks)
-        cache = GaugeMetricFamily("pagedserve_kv_cache_info", "the KV cache's element dtype and tokens per block (1)",
-                                  labels=["dtype", "block_size"])
-        cache.add_metric([status["kv_cache_dtype"], str(stats.block_size)], 1)
-        yield cache
-        yield gauge("kv_block_pressure", "used blocks / capacity: the scaling signal", stats.block_pressure)
-        yield gauge("kv_utilization", "filled token slots / slots of used blocks (told to the block manager: up to a"
-                    " block per sequence late)", stats.kv_utilization)
-        yield gauge("prefix_cache_hit_rate", "prompt tokens served from the prefix cache / looked up",
-                    stats.prefix_hit_rate)
-        # the block manager's own counters: they start again from 0 if its process does (a counter reset)
-        yield CounterMetricFamily("pagedserve_prefix_cache_queries", "tokens looked up in the prefix cache"
-                                  " at admission", value=stats.prefix_cache_queries)
-        yield CounterMetricFamily("pagedserve_prefix_cache_hits", "tokens served from the prefix cache at admission",
-                                  value=stats.prefix_cache_hits)
+        yield _gauge("running_seqs", "sequences in the running batch", status["num_running"])
+        yield _gauge("waiting_seqs", "sequences waiting for admission (new or preempted)", status["num_waiting"])
+        yield _gauge("swapped_seqs", "sequences swapped out to the CPU pool", status["num_swapped"])
+        yield from _kv_cache(status["stats"], status["kv_cache_dtype"])
         preemptions = CounterMetricFamily("pagedserve_preemptions", "sequences preempted", labels=["mode"])
         for mode in ("recompute", "swap"):
             preemptions.add_metric([mode], status[f"num_preemptions_{mode}"])
@@ -77,21 +54,54 @@ class ServingCollector(Collector):
         yield from _request_totals(totals)
         yield CounterMetricFamily("pagedserve_requests_refused", "requests refused because the waiting queue was full",
                                   value=status["num_refused"])
-        seconds = window["window_s"]
-        yield gauge("finished_requests_per_second", f"requests finished, over {seconds:g} s", window["finished_rps"])
-        yield gauge("goodput_requests_per_second", f"finished requests meeting both SLOs, over {seconds:g} s",
-                    window["goodput_rps"])
-        yield gauge("generation_tokens_per_second", f"tokens generated, over {seconds:g} s",
-                    window["generation_tokens_per_s"])
-        for name, key in (("time_to_first_token", "ttft"), ("time_per_output_token", "tpot")):
-            # `_window_`: the histograms hold the plain names
-            quantiles = GaugeMetricFamily(f"pagedserve_{name}_window_seconds", f"{name.replace('_', ' ')} of"
-                                          f" requests finished in the last {seconds:g} s", labels=["quantile"])
-            quantiles.add_metric(["0.5"], window[f"{key}_ms_p50"] / 1000)
-            quantiles.add_metric(["0.99"], window[f"{key}_ms_p99"] / 1000)
-            yield quantiles
-            yield gauge(f"{name}_slo_seconds", f"the {key.upper()} objective goodput counts against",
-                        window[f"{key}_slo_ms"] / 1000)
+        yield from _window(window)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"pagedserve_{name}", doc, value=value)
+
+
+def _kv_cache(stats: BlockStats, kv_cache_dtype: str) -> Iterator[Metric]:
+    """The block manager's statistics: blocks by state, pressure, utilization, the prefix cache's counters."""
+    blocks = GaugeMetricFamily("pagedserve_kv_blocks", "device KV blocks by state", labels=["state"])
+    blocks.add_metric(["used"], stats.num_used_blocks)
+    blocks.add_metric(["cached"], stats.num_cached_blocks)
+    blocks.add_metric(["free"], stats.num_free_blocks - stats.num_cached_blocks)  # free counts cached ones
+    yield blocks
+    yield _gauge("kv_blocks_capacity", "device KV blocks in the cache", stats.num_total_blocks)
+    cache = GaugeMetricFamily("pagedserve_kv_cache_info", "the KV cache's element dtype and tokens per block (1)",
+                              labels=["dtype", "block_size"])
+    cache.add_metric([kv_cache_dtype, str(stats.block_size)], 1)
+    yield cache
+    yield _gauge("kv_block_pressure", "used blocks / capacity: the scaling signal", stats.block_pressure)
+    yield _gauge("kv_utilization", "filled token slots / slots of used blocks (told to the block manager: up to a"
+                 " block per sequence late)", stats.kv_utilization)
+    yield _gauge("prefix_cache_hit_rate", "prompt tokens served from the prefix cache / looked up",
+                 stats.prefix_hit_rate)
+    # the block manager's own counters: they start again from 0 if its process does (a counter reset)
+    yield CounterMetricFamily("pagedserve_prefix_cache_queries", "tokens looked up in the prefix cache"
+                              " at admission", value=stats.prefix_cache_queries)
+    yield CounterMetricFamily("pagedserve_prefix_cache_hits", "tokens served from the prefix cache at admission",
+                              value=stats.prefix_cache_hits)
+
+
+def _window(window: dict[str, float]) -> Iterator[Metric]:
+    """The serving metrics' sliding window: throughput, goodput, TTFT and TPOT percentiles and objectives."""
+    seconds = window["window_s"]
+    yield _gauge("finished_requests_per_second", f"requests finished, over {seconds:g} s", window["finished_rps"])
+    yield _gauge("goodput_requests_per_second", f"finished requests meeting both SLOs, over {seconds:g} s",
+                 window["goodput_rps"])
+    yield _gauge("generation_tokens_per_second", f"tokens generated, over {seconds:g} s",
+                 window["generation_tokens_per_s"])
+    for name, key in (("time_to_first_token", "ttft"), ("time_per_output_token", "tpot")):
+        # `_window_`: the histograms hold the plain names
+        quantiles = GaugeMetricFamily(f"pagedserve_{name}_window_seconds", f"{name.replace('_', ' ')} of"
+                                      f" requests finished in the last {seconds:g} s", labels=["quantile"])
+        quantiles.add_metric(["0.5"], window[f"{key}_ms_p50"] / 1000)
+        quantiles.add_metric(["0.99"], window[f"{key}_ms_p99"] / 1000)
+        yield quantiles
+        yield _gauge(f"{name}_slo_seconds", f"the {key.upper()} objective goodput counts against",
+                     window[f"{key}_slo_ms"] / 1000)
 
 
 def _request_totals(totals: Totals) -> Iterator[Metric]:

@@ -71,6 +71,12 @@ class Usage:
     itl_ms: tuple[float, ...] = ()  # sample 0's inter-token gaps
     seed: int = 0  # what the samples drew with: the request's, or the one the engine picked
 
+    def span_attributes(self) -> dict[str, int | float]:
+        """What the call's trace span records of it."""
+        return {"gen_ai.usage.output_tokens": self.completion_tokens, "pagedserve.ttft_ms": self.ttft_ms,
+                "pagedserve.cached_prompt_tokens": self.cached_prompt_tokens,
+                "pagedserve.num_preemptions": self.num_preemptions}
+
 
 @dataclass
 class _Sample:
@@ -168,20 +174,19 @@ class Serving:
         """The request's chunks as they come, then its Usage. For a unary call without stop strings (nothing to
         match while the text grows), one chunk per sample at the end, read from the finished request. Raises
         the domain errors (limits, engine checks, a full queue, a lost sidecar) before or instead of a chunk."""
-        backend = self.backend
         self.limits.check(len(prompt), params)
         at_end = unary and not stop
         stops = [StopStringMatcher(stop) for _ in range(params.n)]  # bad stop strings: refused before anything queued
         span = trace.get_current_span()  # the call's server span (a no-op one when tracing is off)
         span.set_attributes({"pagedserve.request_id": request_id, "gen_ai.usage.input_tokens": len(prompt),
                              "gen_ai.request.max_tokens": params.max_tokens})
-        events = backend.loop.submit(request_id, prompt, params, salt, final_only=at_end)
+        events = self.backend.loop.submit(request_id, prompt, params, salt, final_only=at_end)
         engine_request: Request | None = None
         over = False
         try:
             # the detokenizers decode the prompt: only once the engine has checked its ids (a negative one breaks
             # the tokenizer: InvalidRequest from submit, not an unhandled error here)
-            samples = [_Sample(IncrementalDetokenizer(backend.tokenizer, prompt), stop_matcher, at_end)
+            samples = [_Sample(IncrementalDetokenizer(self.backend.tokenizer, prompt), stop_matcher, at_end)
                        for stop_matcher in stops]
             # the engine ends every request's stream with None, after which it no longer touches the request
             later: Event | _Nothing = NOTHING  # an event taken while catching up, not handled yet
@@ -195,10 +200,7 @@ class Serving:
                 if at_end:  # the outputs are read from the request at its end
                     continue
                 outputs = event.outputs
-                if not stop and not events.empty():
-                    # Steps this caller has not read yet (it fell behind): one chunk per sample for them all,
-                    # so that a loaded server sends fewer, larger messages instead of falling further behind.
-                    # Stop strings are matched token by token, so that no token after one is ever sent.
+                if not stop and not events.empty():  # stop strings are matched token by token: no catching up
                     outputs, later = _catch_up(outputs, events)
                 for output in outputs:
                     chunk = self._chunk(request_id, samples, output, want_logprobs)
@@ -206,22 +208,26 @@ class Serving:
                         yield chunk
             over = True
             if at_end and engine_request is not None:  # the engine no longer touches it
-                for seq in sorted(engine_request.seqs, key=lambda s: s.index):
-                    whole = SequenceOutput(seq.seq_id, seq.index, seq.output_token_ids, seq.finish_reason,
-                                           seq.logprobs, seq.top_logprobs)
-                    chunk = self._chunk(request_id, samples, whole, want_logprobs)
-                    if chunk is not None:
-                        yield chunk
+                for chunk in self._whole_chunks(request_id, samples, engine_request, want_logprobs):
+                    yield chunk
             usage = _usage(engine_request, prompt, samples)
-            span.set_attributes({
-                "gen_ai.usage.output_tokens": usage.completion_tokens, "pagedserve.ttft_ms": usage.ttft_ms,
-                "pagedserve.cached_prompt_tokens": usage.cached_prompt_tokens,
-                "pagedserve.num_preemptions": usage.num_preemptions,
-            })
+            span.set_attributes(usage.span_attributes())
             yield usage
         finally:
             if not over:  # the client went away, the deadline passed, or the engine failed
-                backend.loop.abort(request_id)
+                self.backend.loop.abort(request_id)
+
+    def _whole_chunks(self, request_id: str, samples: list[_Sample], request: Request,
+                      want_logprobs: bool) -> list[Chunk]:
+        """One chunk per sample of a finished request, read from it (a unary call without stop strings)."""
+        chunks = []
+        for seq in sorted(request.seqs, key=lambda s: s.index):
+            whole = SequenceOutput(seq.seq_id, seq.index, seq.output_token_ids, seq.finish_reason, seq.logprobs,
+                                   seq.top_logprobs)
+            chunk = self._chunk(request_id, samples, whole, want_logprobs)
+            if chunk is not None:
+                chunks.append(chunk)
+        return chunks
 
     def _chunk(
         self, request_id: str, samples: list[_Sample], output: SequenceOutput, want_logprobs: bool
@@ -258,7 +264,8 @@ NOTHING = _Nothing.NOTHING  # no event held back (None is one: the end)
 def _catch_up(outputs: Sequence[SequenceOutput],
               events: asyncio.Queue[Event]) -> tuple[list[SequenceOutput], Event | _Nothing]:
     """The outputs of every step already queued behind `outputs`, joined into one per sample (in the order the
-    samples first appear), and the end or error that stopped the taking (NOTHING when the queue ran dry)."""
+    samples first appear), and the end or error that stopped the taking (NOTHING when the queue ran dry). For a
+    caller that fell behind: a loaded server sends fewer, larger messages instead of falling further behind."""
     parts: dict[int, list[SequenceOutput]] = {}
     for output in outputs:
         parts.setdefault(output.index, []).append(output)

@@ -1,6 +1,6 @@
-"""The scheduler's view of what the block manager knows of each sequence, and the Advance that brings it level.
+"""What the block manager knows of each sequence, as the KV client tracks it, and the Advance that brings it level.
 
-A sequence's ledger fields (`SequenceState.num_known_to_manager`, `num_committed`, `num_local_slots`) are the
+A sequence's ledger fields (`Sequence.num_known_to_manager`, `num_committed`, `num_local_slots`) are the
 block manager's as of the last call sent, answered or not: a Decode's commit and told token count when it is
 planned (a refused one's token is taken back when the answer is applied), an Advance when it is queued (it is
 never refused). So an Advance queued between a call and its answer (for a sequence that just finished) is exact.
@@ -8,9 +8,8 @@ never refused). So an Advance queued between a call and its answer (for a sequen
 
 from __future__ import annotations
 
-from ..block_manager.manager import MAX_UNTOLD_SLOTS, NO_TOKEN
-from ..block_manager.step import AdvanceOp, Op
-from .request import SequenceState
+from ..block_manager.contract import MAX_UNTOLD_SLOTS, NO_TOKEN, AdvanceOp, Op
+from .request import Sequence
 
 
 class PendingAdvance:
@@ -23,7 +22,7 @@ class PendingAdvance:
     def __bool__(self) -> bool:
         return bool(self.entries)
 
-    def add(self, seq: SequenceState) -> None:
+    def add(self, seq: Sequence) -> None:
         """The sequence's catch-up: the slots the scheduler placed in its tail block since the block manager last
         heard of it, their known tokens, and the commit of every slot. Nothing when it is level already."""
         told = seq.token_ids[seq.num_known_to_manager : seq.num_computed]
@@ -34,7 +33,7 @@ class PendingAdvance:
         seq.num_committed = seq.num_computed
         seq.num_local_slots = 0
 
-    def take(self, routes: list[tuple[Op, list[SequenceState]]]) -> list[Op]:
+    def take(self, routes: list[tuple[Op, list[Sequence]]]) -> list[Op]:
         """The call's ops: the Advance first (put at the head of the routes too, about no sequence), then the
         routes'. The Advance is then sent: it starts empty again."""
         ops = [op for op, _ in routes]
@@ -49,7 +48,7 @@ class PendingAdvance:
         self.entries = []
 
 
-def decode_token(seq: SequenceState) -> int | None:
+def decode_token(seq: Sequence) -> int | None:
     """For a one-token step: what its Decode tells the block manager (the oldest token it has not been told, or
     NO_TOKEN), or None when it cannot take the Decode fast path. A Decode tells at most one token, and leaves the
     sequence at most MAX_UNTOLD_SLOTS slots whose tokens are still being sampled (overlapped steps: plans run

@@ -154,11 +154,11 @@ class LLM:
         for tokens in token_lists:
             requests.append(self.engine.add_request(f"offline-{next(self._ids)}", tokens, params, final_only=True))
         start, generated, done = time.monotonic(), 0, 0
-        before = self.engine.scheduler.num_generated  # of earlier calls
+        before = self.engine.num_generated  # of earlier calls
         show = progress and sys.stderr.isatty()  # a live progress line, for people watching a terminal
         while self.engine.has_work:
             done += sum(output.request.finished for output in self.engine.step())  # final only: at their ends
-            generated = self.engine.scheduler.num_generated - before
+            generated = self.engine.num_generated - before
             if show:
                 rate = generated / max(time.monotonic() - start, 1e-9)
                 print(f"\r{done}/{len(requests)} requests, {generated} tokens, {rate:.1f} tok/s", end="",

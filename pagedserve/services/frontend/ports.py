@@ -14,10 +14,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
+from ..block_manager.contract import BlockStats, Op, StepAnswer
 from ..block_manager.manager import BlockManager
-from ..block_manager.stats import BlockStats
-from ..block_manager.step import Op, StepAnswer, apply_step
-from ..executor.step_types import HeldInputs, SampledToken, StepInput
+from ..block_manager.step import apply_step
+from ..executor.held_inputs import HeldInputs
+from ..executor.step_types import SampledToken, StepInput
 
 if TYPE_CHECKING:  # the scheduler imports this module in the frontend, which must not load torch
     from ..executor.runner import ModelRunner

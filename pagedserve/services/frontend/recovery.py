@@ -13,11 +13,12 @@ engine was built for: a sidecar that comes back different is refused, clearly, a
 from __future__ import annotations
 
 import secrets
+from typing import Protocol
 
 import grpc
 
 from ..block_manager.client import RemoteBlockManager
-from ..block_manager.stats import BlockStats
+from ..block_manager.contract import BlockStats
 from ..executor.client import RemoteExecutor
 from ..executor.step_types import ExecutorInfo
 
@@ -58,6 +59,17 @@ def check_agreement(info: ExecutorInfo, stats: BlockStats) -> None:
     if mismatches:
         raise CacheMismatch("the block manager and the executor disagree on the KV cache: " + "; ".join(mismatches)
                             + ". Start the block manager with the executor's numbers (see `pagedserve serve`).")
+
+
+class SidecarSync(Protocol):
+    """What the engine loop needs of its sidecars to notice a loss and start over (`Sidecars`; a test's
+    in-process stand-in)."""
+
+    def sync(self) -> BlockStats: ...
+
+    def probe(self) -> None: ...
+
+    def check_block_manager(self) -> None: ...
 
 
 class Sidecars:

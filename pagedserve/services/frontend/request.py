@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import collections.abc
 import enum
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -77,7 +77,7 @@ class Request:
     seed: int
     eos_token_ids: frozenset[int] = frozenset()
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    seqs: list[SequenceState] = field(default_factory=list)
+    seqs: list[Sequence] = field(default_factory=list)
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     num_unforked: int = -1  # samples not forked yet from the first sequence
@@ -102,8 +102,18 @@ class Request:
 
 
 @dataclass(eq=False, slots=True)
-class SequenceState:
-    """One sample of a request. Its tokens are prompt + generated; the KV of the first num_computed is stored."""
+class Sequence:
+    """One sample of a request. Its tokens are prompt + generated; the KV of the first num_computed is stored.
+
+    Five fields mirror the block manager's record of the sequence (the block manager's `SequenceState`),
+    written by the KV client (kv_client.py, ledger.py), and `num_local_slots` also by the loops that place a
+    decode here (step_rows.py, fast_paths.py). The frontend keeps each because a step must not wait on a
+    round trip to learn it: `block_table` goes into the executor's rows and gives the slot of a decode the
+    frontend places itself; `tail_private` says whether that decode may write without a copy (its tail is not
+    shared since a fork); `num_known_to_manager`, `num_committed` and `num_local_slots` are what the block
+    manager has been told (tokens, computed tokens, slots placed here), from which the Advance that brings it
+    level is built without asking (ledger.py). They are plain fields, not a nested object: the per-step loops
+    read them for every sequence."""
 
     seq_id: int
     request: Request
@@ -114,13 +124,11 @@ class SequenceState:
     num_known_to_manager: int = 0  # tokens the block manager has been told about
     num_committed: int = 0  # tokens the block manager has been told are computed
     block_table: list[int] = field(default_factory=list)
-    # Decodes placed by the scheduler itself in the sequence's tail block, not yet told to the block manager (an
-    # Advance tells them), and whether that block is its own (not shared since a fork): see Scheduler.plan
-    num_local_slots: int = 0
-    tail_private: bool = False
+    num_local_slots: int = 0  # decodes placed in its own blocks, not yet told to the block manager (an Advance)
+    tail_private: bool = False  # its tail block is its own (not shared since a fork): a decode may write it
     num_pending: int = 0  # tokens being sampled by steps already sent (overlapped steps), not known yet
     logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[Sequence[tuple[int, float]]] = field(default_factory=list)
+    top_logprobs: list[collections.abc.Sequence[tuple[int, float]]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     # each sample draws with its own seed, so the n samples differ and each is reproducible
     sampling: SamplingParams = field(init=False)
@@ -141,10 +149,11 @@ class SequenceState:
 class SequenceOutput:
     seq_id: int
     index: int
-    new_token_ids: Sequence[int]
+    new_token_ids: collections.abc.Sequence[int]
     finish_reason: FinishReason | None
-    new_logprobs: Sequence[float] = ()  # of each new token
-    new_top_logprobs: Sequence[Sequence[tuple[int, float]]] = ()  # (token id, logprob) alternatives per new token
+    new_logprobs: collections.abc.Sequence[float] = ()  # of each new token
+    # (token id, logprob) alternatives per new token
+    new_top_logprobs: collections.abc.Sequence[collections.abc.Sequence[tuple[int, float]]] = ()
 
 
 class StepOutput(NamedTuple):  # one per request with a token, every step
