@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from pagedserve.services.block_manager.manager import BlockCopy
+from pagedserve.services.block_manager.contract import BlockCopy
 
 if TYPE_CHECKING:
     from allocator_model import AllocatorModel
