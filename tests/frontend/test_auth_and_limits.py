@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from pagedserve.services.common.addresses import check_sidecar_listen, is_local_address
+from pagedserve.services.common.cache_salt import client_salt, tenant_salt
 from pagedserve.services.common.errors import InvalidRequest, OutOfCapacity
 from pagedserve.services.common.tls import TlsConfigError, server_credentials
-from pagedserve.services.frontend.auth import ApiKeys, KeysFileError, client_salt, presented_key, tenant_salt
+from pagedserve.services.frontend.auth import ApiKeys, KeysFileError, presented_key
 from pagedserve.services.frontend.limits import ApiLimits, StreamCounter
 from pagedserve.services.frontend.request import GenerationParams
 

@@ -24,10 +24,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
-from ..common.cache_salt import CACHE_SALT_HEADER, Metadata, client_salt, tenant_salt
-
-__all__ = ["CACHE_SALT_HEADER", "ApiKeyInterceptor", "ApiKeys", "KeysFileError", "Metadata", "client_salt",
-           "presented_key", "tenant_salt"]
+from ..common.cache_salt import Metadata
 
 MIN_KEY_CHARS = 16  # a short key can be guessed; the file is refused rather than served
 # probes and tools must work without a key: these services say nothing about any tenant
