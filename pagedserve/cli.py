@@ -14,6 +14,7 @@ COMMANDS = {
     "executor": ("pagedserve.services.executor.server", "run the model executor gRPC service"),
     "frontend": ("pagedserve.services.frontend.server", "run the public API and scheduler over the sidecars"),
     "serve": ("pagedserve.services.frontend.stack", "run block manager, executor and frontend together"),
+    "router": ("pagedserve.services.router.server", "route each request to the pod that holds its prefix"),
     "run": ("pagedserve.services.frontend.run_cli", "offline generation for a few prompts"),
     "generate": ("pagedserve.services.frontend.client_cli:generate", "stream a completion from a server"),
     "chat": ("pagedserve.services.frontend.client_cli:chat", "chat with a server interactively"),

@@ -32,13 +32,14 @@ from ..services.block_manager import codec as bm_codec
 from ..services.block_manager.contract import BlockStats, Op, StepAnswer
 from ..services.block_manager.manager import BlockManager
 from ..services.block_manager.server import BlockManagerServicer
+from ..services.common.cache_identity import CacheIdentity
 from ..services.common.grpc_server import GC_THRESHOLDS
 from ..services.executor import codec as ex_codec
 from ..services.executor.held_inputs import SentInputs
 from ..services.executor.options import ExecutorConfig
 from ..services.executor.server import ExecutorServicer
 from ..services.executor.step_types import SampledToken, StepInput
-from ..services.frontend.engine import Engine, EngineLimits, ModelIdentity
+from ..services.frontend.engine import Engine, EngineLimits
 from ..services.frontend.public_options import non_negative_int, positive_int
 from ..services.frontend.request import FinishReason, GenerationParams, Request
 from ..services.frontend.scheduler import Scheduler, SchedulerConfig
@@ -159,7 +160,7 @@ def measure(num_seqs: int, tokens: int, local_decodes: bool = True,
     executor = WireExecutor(clock)
     limits = EngineLimits(VOCAB_SIZE, 2048, num_blocks, BLOCK_SIZE, frozenset({0}))
     engine = Engine(Scheduler(config, WireBlockManager(manager, clock)), executor, limits,
-                    ModelIdentity("bench-host-step", "", "", "float32"))
+                    CacheIdentity("bench-host-step", "", "", "float32", BLOCK_SIZE))
     params = GenerationParams(max_tokens=tokens, ignore_eos=True)
     requests: list[Request] = []
     for i in range(num_seqs):

@@ -22,61 +22,62 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from pagedserve.protos import kv_events_pb2 as pagedserve_dot_protos_dot_kv__events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%pagedserve/protos/block_manager.proto\x12\x1bpagedserve.block_manager.v1\"P\n\x0bStepRequest\x12,\n\x03ops\x18\x01 \x03(\x0b\x32\x1f.pagedserve.block_manager.v1.Op\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\"\xe5\x04\n\x02Op\x12\x35\n\x06\x63reate\x18\x01 \x01(\x0b\x32#.pagedserve.block_manager.v1.CreateH\x00\x12\x31\n\x04\x66ork\x18\x02 \x01(\x0b\x32!.pagedserve.block_manager.v1.ForkH\x00\x12\x37\n\x07reserve\x18\x03 \x01(\x0b\x32$.pagedserve.block_manager.v1.ReserveH\x00\x12\x35\n\x06\x63ommit\x18\x04 \x01(\x0b\x32#.pagedserve.block_manager.v1.CommitH\x00\x12\x31\n\x04\x66ree\x18\x05 \x01(\x0b\x32!.pagedserve.block_manager.v1.FreeH\x00\x12\x38\n\x08swap_out\x18\x06 \x01(\x0b\x32$.pagedserve.block_manager.v1.SwapOutH\x00\x12\x36\n\x07swap_in\x18\x07 \x01(\x0b\x32#.pagedserve.block_manager.v1.SwapInH\x00\x12\x35\n\x06\x64\x65\x63ode\x18\x08 \x01(\x0b\x32#.pagedserve.block_manager.v1.DecodeH\x00\x12\x33\n\x05\x61\x64mit\x18\t \x01(\x0b\x32\".pagedserve.block_manager.v1.AdmitH\x00\x12\x37\n\x07\x61\x64vance\x18\n \x01(\x0b\x32$.pagedserve.block_manager.v1.AdvanceH\x00\x12\x33\n\x05spare\x18\x0b \x01(\x0b\x32\".pagedserve.block_manager.v1.SpareH\x00\x42\x06\n\x04kind\"D\n\x06\x43reate\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x03 \x01(\x0c\"W\n\x05\x41\x64mit\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x03 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\"3\n\x04\x46ork\x12\x15\n\rparent_seq_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x63hild_seq_id\x18\x02 \x01(\x04\"Z\n\x07Reserve\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x18\n\x10\x61ppend_token_ids\x18\x03 \x03(\x05\x12\x11\n\tadmission\x18\x04 \x01(\x08\"5\n\x06\x43ommit\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\r\"\x16\n\x04\x46ree\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"\x1a\n\x07SwapOut\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"\x19\n\x06SwapIn\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\",\n\x06\x44\x65\x63ode\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"T\n\x07\x41\x64vance\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x11\n\tnum_slots\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\"\x18\n\x05Spare\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"y\n\x0cStepResponse\x12\x36\n\x07results\x18\x01 \x03(\x0b\x32%.pagedserve.block_manager.v1.OpResult\x12\x31\n\x05stats\x18\x02 \x01(\x0b\x32\".pagedserve.block_manager.v1.Stats\"?\n\x0f\x42lockTableDelta\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0c\n\x04keep\x18\x02 \x01(\r\x12\x0e\n\x06\x61ppend\x18\x03 \x03(\x05\"8\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\x12\x11\n\tnum_slots\x18\x03 \x01(\r\"\x84\x03\n\x08OpResult\x12\x35\n\x06status\x18\x01 \x01(\x0e\x32%.pagedserve.block_manager.v1.OpStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12<\n\x06\x64\x65ltas\x18\x03 \x03(\x0b\x32,.pagedserve.block_manager.v1.BlockTableDelta\x12\x14\n\x0cslot_mapping\x18\x04 \x03(\x03\x12\x36\n\x06\x63opies\x18\x05 \x03(\x0b\x32&.pagedserve.block_manager.v1.BlockCopy\x12\x38\n\x08swap_out\x18\x06 \x03(\x0b\x32&.pagedserve.block_manager.v1.BlockCopy\x12\x37\n\x07swap_in\x18\x07 \x03(\x0b\x32&.pagedserve.block_manager.v1.BlockCopy\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x17\n\x0frefused_seq_ids\x18\t \x03(\x04\"\x0e\n\x0cStatsRequest\"\xa9\x04\n\x05Stats\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x06 \x01(\r\x12\x1b\n\x13num_free_cpu_blocks\x18\x07 \x01(\r\x12\x15\n\rnum_sequences\x18\x08 \x01(\r\x12\x1d\n\x15num_swapped_sequences\x18\t \x01(\r\x12\x16\n\x0e\x62lock_pressure\x18\n \x01(\x01\x12\"\n\x1a\x62lock_pressure_with_cached\x18\x0b \x01(\x01\x12\x16\n\x0ekv_utilization\x18\x0c \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\r \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0e \x01(\x04\x12\x17\n\x0fprefix_hit_rate\x18\x0f \x01(\x01\x12\x16\n\x0enum_cow_copies\x18\x10 \x01(\x04\x12\x1e\n\x16num_swapped_out_blocks\x18\x11 \x01(\x04\x12\x1d\n\x15num_swapped_in_blocks\x18\x12 \x01(\x04\x12\x15\n\rnum_evictions\x18\x13 \x01(\x04\x12\x11\n\twatermark\x18\x14 \x01(\x01\x12\x13\n\x0binstance_id\x18\x15 \x01(\t\"B\n\rStatsResponse\x12\x31\n\x05stats\x18\x01 \x01(\x0b\x32\".pagedserve.block_manager.v1.Stats\"\x0e\n\x0cResetRequest\"B\n\rResetResponse\x12\x31\n\x05stats\x18\x01 \x01(\x0b\x32\".pagedserve.block_manager.v1.Stats*?\n\x08OpStatus\x12\x19\n\x15OP_STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07GRANTED\x10\x01\x12\x0b\n\x07REFUSED\x10\x02\x32\xaf\x02\n\x0c\x42lockManager\x12_\n\x04Step\x12(.pagedserve.block_manager.v1.StepRequest\x1a).pagedserve.block_manager.v1.StepResponse(\x01\x30\x01\x12^\n\x05Stats\x12).pagedserve.block_manager.v1.StatsRequest\x1a*.pagedserve.block_manager.v1.StatsResponse\x12^\n\x05Reset\x12).pagedserve.block_manager.v1.ResetRequest\x1a*.pagedserve.block_manager.v1.ResetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%pagedserve/protos/block_manager.proto\x12\x1bpagedserve.block_manager.v1\x1a!pagedserve/protos/kv_events.proto\"P\n\x0bStepRequest\x12,\n\x03ops\x18\x01 \x03(\x0b\x32\x1f.pagedserve.block_manager.v1.Op\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\"\xe5\x04\n\x02Op\x12\x35\n\x06\x63reate\x18\x01 \x01(\x0b\x32#.pagedserve.block_manager.v1.CreateH\x00\x12\x31\n\x04\x66ork\x18\x02 \x01(\x0b\x32!.pagedserve.block_manager.v1.ForkH\x00\x12\x37\n\x07reserve\x18\x03 \x01(\x0b\x32$.pagedserve.block_manager.v1.ReserveH\x00\x12\x35\n\x06\x63ommit\x18\x04 \x01(\x0b\x32#.pagedserve.block_manager.v1.CommitH\x00\x12\x31\n\x04\x66ree\x18\x05 \x01(\x0b\x32!.pagedserve.block_manager.v1.FreeH\x00\x12\x38\n\x08swap_out\x18\x06 \x01(\x0b\x32$.pagedserve.block_manager.v1.SwapOutH\x00\x12\x36\n\x07swap_in\x18\x07 \x01(\x0b\x32#.pagedserve.block_manager.v1.SwapInH\x00\x12\x35\n\x06\x64\x65\x63ode\x18\x08 \x01(\x0b\x32#.pagedserve.block_manager.v1.DecodeH\x00\x12\x33\n\x05\x61\x64mit\x18\t \x01(\x0b\x32\".pagedserve.block_manager.v1.AdmitH\x00\x12\x37\n\x07\x61\x64vance\x18\n \x01(\x0b\x32$.pagedserve.block_manager.v1.AdvanceH\x00\x12\x33\n\x05spare\x18\x0b \x01(\x0b\x32\".pagedserve.block_manager.v1.SpareH\x00\x42\x06\n\x04kind\"D\n\x06\x43reate\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x03 \x01(\x0c\"W\n\x05\x41\x64mit\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x03 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\"3\n\x04\x46ork\x12\x15\n\rparent_seq_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x63hild_seq_id\x18\x02 \x01(\x04\"Z\n\x07Reserve\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x18\n\x10\x61ppend_token_ids\x18\x03 \x03(\x05\x12\x11\n\tadmission\x18\x04 \x01(\x08\"5\n\x06\x43ommit\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\r\"\x16\n\x04\x46ree\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"\x1a\n\x07SwapOut\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"\x19\n\x06SwapIn\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\",\n\x06\x44\x65\x63ode\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"T\n\x07\x41\x64vance\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x11\n\tnum_slots\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\"\x18\n\x05Spare\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"y\n\x0cStepResponse\x12\x36\n\x07results\x18\x01 \x03(\x0b\x32%.pagedserve.block_manager.v1.OpResult\x12\x31\n\x05stats\x18\x02 \x01(\x0b\x32\".pagedserve.block_manager.v1.Stats\"?\n\x0f\x42lockTableDelta\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0c\n\x04keep\x18\x02 \x01(\r\x12\x0e\n\x06\x61ppend\x18\x03 \x03(\x05\"8\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\x12\x11\n\tnum_slots\x18\x03 \x01(\r\"\x84\x03\n\x08OpResult\x12\x35\n\x06status\x18\x01 \x01(\x0e\x32%.pagedserve.block_manager.v1.OpStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12<\n\x06\x64\x65ltas\x18\x03 \x03(\x0b\x32,.pagedserve.block_manager.v1.BlockTableDelta\x12\x14\n\x0cslot_mapping\x18\x04 \x03(\x03\x12\x36\n\x06\x63opies\x18\x05 \x03(\x0b\x32&.pagedserve.block_manager.v1.BlockCopy\x12\x38\n\x08swap_out\x18\x06 \x03(\x0b\x32&.pagedserve.block_manager.v1.BlockCopy\x12\x37\n\x07swap_in\x18\x07 \x03(\x0b\x32&.pagedserve.block_manager.v1.BlockCopy\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x17\n\x0frefused_seq_ids\x18\t \x03(\x04\"\x0e\n\x0cStatsRequest\"\xa9\x04\n\x05Stats\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x06 \x01(\r\x12\x1b\n\x13num_free_cpu_blocks\x18\x07 \x01(\r\x12\x15\n\rnum_sequences\x18\x08 \x01(\r\x12\x1d\n\x15num_swapped_sequences\x18\t \x01(\r\x12\x16\n\x0e\x62lock_pressure\x18\n \x01(\x01\x12\"\n\x1a\x62lock_pressure_with_cached\x18\x0b \x01(\x01\x12\x16\n\x0ekv_utilization\x18\x0c \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\r \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0e \x01(\x04\x12\x17\n\x0fprefix_hit_rate\x18\x0f \x01(\x01\x12\x16\n\x0enum_cow_copies\x18\x10 \x01(\x04\x12\x1e\n\x16num_swapped_out_blocks\x18\x11 \x01(\x04\x12\x1d\n\x15num_swapped_in_blocks\x18\x12 \x01(\x04\x12\x15\n\rnum_evictions\x18\x13 \x01(\x04\x12\x11\n\twatermark\x18\x14 \x01(\x01\x12\x13\n\x0binstance_id\x18\x15 \x01(\t\"B\n\rStatsResponse\x12\x31\n\x05stats\x18\x01 \x01(\x0b\x32\".pagedserve.block_manager.v1.Stats\"\x0e\n\x0cResetRequest\"B\n\rResetResponse\x12\x31\n\x05stats\x18\x01 \x01(\x0b\x32\".pagedserve.block_manager.v1.Stats*?\n\x08OpStatus\x12\x19\n\x15OP_STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07GRANTED\x10\x01\x12\x0b\n\x07REFUSED\x10\x02\x32\xa2\x03\n\x0c\x42lockManager\x12_\n\x04Step\x12(.pagedserve.block_manager.v1.StepRequest\x1a).pagedserve.block_manager.v1.StepResponse(\x01\x30\x01\x12^\n\x05Stats\x12).pagedserve.block_manager.v1.StatsRequest\x1a*.pagedserve.block_manager.v1.StatsResponse\x12q\n\x11SubscribeKvEvents\x12\x31.pagedserve.kv_events.v1.SubscribeKvEventsRequest\x1a\'.pagedserve.kv_events.v1.KvEventMessage0\x01\x12^\n\x05Reset\x12).pagedserve.block_manager.v1.ResetRequest\x1a*.pagedserve.block_manager.v1.ResetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.protos.block_manager_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OPSTATUS']._serialized_start=2725
-  _globals['_OPSTATUS']._serialized_end=2788
-  _globals['_STEPREQUEST']._serialized_start=70
-  _globals['_STEPREQUEST']._serialized_end=150
-  _globals['_OP']._serialized_start=153
-  _globals['_OP']._serialized_end=766
-  _globals['_CREATE']._serialized_start=768
-  _globals['_CREATE']._serialized_end=836
-  _globals['_ADMIT']._serialized_start=838
-  _globals['_ADMIT']._serialized_end=925
-  _globals['_FORK']._serialized_start=927
-  _globals['_FORK']._serialized_end=978
-  _globals['_RESERVE']._serialized_start=980
-  _globals['_RESERVE']._serialized_end=1070
-  _globals['_COMMIT']._serialized_start=1072
-  _globals['_COMMIT']._serialized_end=1125
-  _globals['_FREE']._serialized_start=1127
-  _globals['_FREE']._serialized_end=1149
-  _globals['_SWAPOUT']._serialized_start=1151
-  _globals['_SWAPOUT']._serialized_end=1177
-  _globals['_SWAPIN']._serialized_start=1179
-  _globals['_SWAPIN']._serialized_end=1204
-  _globals['_DECODE']._serialized_start=1206
-  _globals['_DECODE']._serialized_end=1250
-  _globals['_ADVANCE']._serialized_start=1252
-  _globals['_ADVANCE']._serialized_end=1336
-  _globals['_SPARE']._serialized_start=1338
-  _globals['_SPARE']._serialized_end=1362
-  _globals['_STEPRESPONSE']._serialized_start=1364
-  _globals['_STEPRESPONSE']._serialized_end=1485
-  _globals['_BLOCKTABLEDELTA']._serialized_start=1487
-  _globals['_BLOCKTABLEDELTA']._serialized_end=1550
-  _globals['_BLOCKCOPY']._serialized_start=1552
-  _globals['_BLOCKCOPY']._serialized_end=1608
-  _globals['_OPRESULT']._serialized_start=1611
-  _globals['_OPRESULT']._serialized_end=1999
-  _globals['_STATSREQUEST']._serialized_start=2001
-  _globals['_STATSREQUEST']._serialized_end=2015
-  _globals['_STATS']._serialized_start=2018
-  _globals['_STATS']._serialized_end=2571
-  _globals['_STATSRESPONSE']._serialized_start=2573
-  _globals['_STATSRESPONSE']._serialized_end=2639
-  _globals['_RESETREQUEST']._serialized_start=2641
-  _globals['_RESETREQUEST']._serialized_end=2655
-  _globals['_RESETRESPONSE']._serialized_start=2657
-  _globals['_RESETRESPONSE']._serialized_end=2723
-  _globals['_BLOCKMANAGER']._serialized_start=2791
-  _globals['_BLOCKMANAGER']._serialized_end=3094
+  _globals['_OPSTATUS']._serialized_start=2760
+  _globals['_OPSTATUS']._serialized_end=2823
+  _globals['_STEPREQUEST']._serialized_start=105
+  _globals['_STEPREQUEST']._serialized_end=185
+  _globals['_OP']._serialized_start=188
+  _globals['_OP']._serialized_end=801
+  _globals['_CREATE']._serialized_start=803
+  _globals['_CREATE']._serialized_end=871
+  _globals['_ADMIT']._serialized_start=873
+  _globals['_ADMIT']._serialized_end=960
+  _globals['_FORK']._serialized_start=962
+  _globals['_FORK']._serialized_end=1013
+  _globals['_RESERVE']._serialized_start=1015
+  _globals['_RESERVE']._serialized_end=1105
+  _globals['_COMMIT']._serialized_start=1107
+  _globals['_COMMIT']._serialized_end=1160
+  _globals['_FREE']._serialized_start=1162
+  _globals['_FREE']._serialized_end=1184
+  _globals['_SWAPOUT']._serialized_start=1186
+  _globals['_SWAPOUT']._serialized_end=1212
+  _globals['_SWAPIN']._serialized_start=1214
+  _globals['_SWAPIN']._serialized_end=1239
+  _globals['_DECODE']._serialized_start=1241
+  _globals['_DECODE']._serialized_end=1285
+  _globals['_ADVANCE']._serialized_start=1287
+  _globals['_ADVANCE']._serialized_end=1371
+  _globals['_SPARE']._serialized_start=1373
+  _globals['_SPARE']._serialized_end=1397
+  _globals['_STEPRESPONSE']._serialized_start=1399
+  _globals['_STEPRESPONSE']._serialized_end=1520
+  _globals['_BLOCKTABLEDELTA']._serialized_start=1522
+  _globals['_BLOCKTABLEDELTA']._serialized_end=1585
+  _globals['_BLOCKCOPY']._serialized_start=1587
+  _globals['_BLOCKCOPY']._serialized_end=1643
+  _globals['_OPRESULT']._serialized_start=1646
+  _globals['_OPRESULT']._serialized_end=2034
+  _globals['_STATSREQUEST']._serialized_start=2036
+  _globals['_STATSREQUEST']._serialized_end=2050
+  _globals['_STATS']._serialized_start=2053
+  _globals['_STATS']._serialized_end=2606
+  _globals['_STATSRESPONSE']._serialized_start=2608
+  _globals['_STATSRESPONSE']._serialized_end=2674
+  _globals['_RESETREQUEST']._serialized_start=2676
+  _globals['_RESETREQUEST']._serialized_end=2690
+  _globals['_RESETRESPONSE']._serialized_start=2692
+  _globals['_RESETRESPONSE']._serialized_end=2758
+  _globals['_BLOCKMANAGER']._serialized_start=2826
+  _globals['_BLOCKMANAGER']._serialized_end=3244
 # @@protoc_insertion_point(module_scope)

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from pagedserve.protos import block_manager_pb2 as pagedserve_dot_protos_dot_block__manager__pb2
+from pagedserve.protos import kv_events_pb2 as pagedserve_dot_protos_dot_kv__events__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -44,6 +45,11 @@ class BlockManagerStub:
                 request_serializer=pagedserve_dot_protos_dot_block__manager__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_protos_dot_block__manager__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/pagedserve.block_manager.v1.BlockManager/SubscribeKvEvents',
+                request_serializer=pagedserve_dot_protos_dot_kv__events__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_protos_dot_kv__events__pb2.KvEventMessage.FromString,
+                _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/pagedserve.block_manager.v1.BlockManager/Reset',
                 request_serializer=pagedserve_dot_protos_dot_block__manager__pb2.ResetRequest.SerializeToString,
@@ -71,6 +77,14 @@ class BlockManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """The prefix index's changes (kv_events.proto): a snapshot first, then each step's batch, and a
+        heartbeat at least every second. The frontend relays them to routers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Reset(self, request, context):
         """Voids every sequence and all cache contents (used when the executor restarts).
         """
@@ -90,6 +104,11 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pagedserve_dot_protos_dot_block__manager__pb2.StatsRequest.FromString,
                     response_serializer=pagedserve_dot_protos_dot_block__manager__pb2.StatsResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=pagedserve_dot_protos_dot_kv__events__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=pagedserve_dot_protos_dot_kv__events__pb2.KvEventMessage.SerializeToString,
             ),
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
@@ -151,6 +170,33 @@ class BlockManager:
             '/pagedserve.block_manager.v1.BlockManager/Stats',
             pagedserve_dot_protos_dot_block__manager__pb2.StatsRequest.SerializeToString,
             pagedserve_dot_protos_dot_block__manager__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagedserve.block_manager.v1.BlockManager/SubscribeKvEvents',
+            pagedserve_dot_protos_dot_kv__events__pb2.SubscribeKvEventsRequest.SerializeToString,
+            pagedserve_dot_protos_dot_kv__events__pb2.KvEventMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,7 @@ The scheduler calls Step once per scheduler step with every operation of that st
 from collections import abc as _abc
 from grpc import aio as _aio
 from pagedserve.protos import block_manager_pb2 as _block_manager_pb2
+from pagedserve.protos import kv_events_pb2 as _kv_events_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys
@@ -41,6 +42,10 @@ class BlockManagerStub:
     has read, then ends the stream UNAVAILABLE.
     """
     Stats: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.StatsRequest, _block_manager_pb2.StatsResponse]
+    SubscribeKvEvents: _grpc.UnaryStreamMultiCallable[_kv_events_pb2.SubscribeKvEventsRequest, _kv_events_pb2.KvEventMessage]
+    """The prefix index's changes (kv_events.proto): a snapshot first, then each step's batch, and a
+    heartbeat at least every second. The frontend relays them to routers.
+    """
     Reset: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.ResetRequest, _block_manager_pb2.ResetResponse]
     """Voids every sequence and all cache contents (used when the executor restarts)."""
 
@@ -55,6 +60,10 @@ class BlockManagerAsyncStub(BlockManagerStub):
     has read, then ends the stream UNAVAILABLE.
     """
     Stats: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.StatsRequest, _block_manager_pb2.StatsResponse]  # type: ignore[assignment]
+    SubscribeKvEvents: _aio.UnaryStreamMultiCallable[_kv_events_pb2.SubscribeKvEventsRequest, _kv_events_pb2.KvEventMessage]  # type: ignore[assignment]
+    """The prefix index's changes (kv_events.proto): a snapshot first, then each step's batch, and a
+    heartbeat at least every second. The frontend relays them to routers.
+    """
     Reset: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.ResetRequest, _block_manager_pb2.ResetResponse]  # type: ignore[assignment]
     """Voids every sequence and all cache contents (used when the executor restarts)."""
 
@@ -78,6 +87,16 @@ class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
         request: _block_manager_pb2.StatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_block_manager_pb2.StatsResponse, _abc.Awaitable[_block_manager_pb2.StatsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def SubscribeKvEvents(
+        self,
+        request: _kv_events_pb2.SubscribeKvEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_kv_events_pb2.KvEventMessage], _abc.AsyncIterator[_kv_events_pb2.KvEventMessage]]:
+        """The prefix index's changes (kv_events.proto): a snapshot first, then each step's batch, and a
+        heartbeat at least every second. The frontend relays them to routers.
+        """
 
     @_abc_1.abstractmethod
     def Reset(

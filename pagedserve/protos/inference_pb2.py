@@ -22,51 +22,54 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from pagedserve.protos import kv_events_pb2 as pagedserve_dot_protos_dot_kv__events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pagedserve/protos/inference.proto\x12\x17pagedserve.inference.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\">\n\x04\x43hat\x12\x36\n\x08messages\x18\x01 \x03(\x0b\x32$.pagedserve.inference.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb4\x02\n\x14GenerationParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0e\n\x01n\x18\t \x01(\rH\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\xe0\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x36\n\ttoken_ids\x18\x03 \x01(\x0b\x32!.pagedserve.inference.v1.TokenIdsH\x00\x12-\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1d.pagedserve.inference.v1.ChatH\x00\x12=\n\x06params\x18\x05 \x01(\x0b\x32-.pagedserve.inference.v1.GenerationParametersB\x08\n\x06prompt\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xd2\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\r\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x07 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x08 \x01(\x01\x12\x0e\n\x06itl_ms\x18\t \x03(\x01\x12\x0c\n\x04seed\x18\n \x01(\x04\"\xfc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x37\n\x08logprobs\x18\x05 \x03(\x0b\x32%.pagedserve.inference.v1.TokenLogprob\x12<\n\rfinish_reason\x18\x06 \x01(\x0e\x32%.pagedserve.inference.v1.FinishReason\x12-\n\x05usage\x18\x07 \x01(\x0b\x32\x1e.pagedserve.inference.v1.Usage\"\xb3\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12<\n\rfinish_reason\x18\x04 \x01(\x0e\x32%.pagedserve.inference.v1.FinishReason\x12\x37\n\x08logprobs\x18\x05 \x03(\x0b\x32%.pagedserve.inference.v1.TokenLogprob\"\x8b\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x34\n\x07\x63hoices\x18\x02 \x03(\x0b\x32#.pagedserve.inference.v1.Completion\x12-\n\x05usage\x18\x03 \x01(\x0b\x32\x1e.pagedserve.inference.v1.Usage\"Y\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12-\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1d.pagedserve.inference.v1.ChatH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x13\n\x11ListModelsRequest\"\xb3\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\t \x01(\t\"H\n\x12ListModelsResponse\x12\x32\n\x06models\x18\x01 \x03(\x0b\x32\".pagedserve.inference.v1.ModelInfo\"\x0f\n\rStatusRequest\"\xd9\x04\n\x0eStatusResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\r\x12\x16\n\x0e\x62lock_pressure\x18\x08 \x01(\x01\x12\x16\n\x0ekv_utilization\x18\t \x01(\x01\x12\x17\n\x0fprefix_hit_rate\x18\n \x01(\x01\x12!\n\x19num_preemptions_recompute\x18\x0b \x01(\x04\x12\x1c\n\x14num_preemptions_swap\x18\x0c \x01(\x04\x12\x1d\n\x15num_requests_finished\x18\r \x01(\x04\x12\x1f\n\x17generation_tokens_per_s\x18\x0e \x01(\x01\x12\x13\n\x0bgoodput_rps\x18\x0f \x01(\x01\x12\x13\n\x0bttft_slo_ms\x18\x10 \x01(\x01\x12\x13\n\x0btpot_slo_ms\x18\x11 \x01(\x01\x12\x13\n\x0bttft_ms_p50\x18\x12 \x01(\x01\x12\x13\n\x0bttft_ms_p99\x18\x13 \x01(\x01\x12\x13\n\x0btpot_ms_p50\x18\x14 \x01(\x01\x12\x13\n\x0btpot_ms_p99\x18\x15 \x01(\x01\x12\x10\n\x08window_s\x18\x16 \x01(\x01\x12\x1c\n\x14num_requests_refused\x18\x17 \x01(\x04\x12\x14\n\x0c\x66inished_rps\x18\x18 \x01(\x01*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x32\xf2\x03\n\tInference\x12\x61\n\x08Generate\x12(.pagedserve.inference.v1.GenerateRequest\x1a).pagedserve.inference.v1.GenerateResponse0\x01\x12_\n\x08\x43omplete\x12(.pagedserve.inference.v1.GenerateRequest\x1a).pagedserve.inference.v1.CompleteResponse\x12_\n\x08Tokenize\x12(.pagedserve.inference.v1.TokenizeRequest\x1a).pagedserve.inference.v1.TokenizeResponse\x12\x65\n\nListModels\x12*.pagedserve.inference.v1.ListModelsRequest\x1a+.pagedserve.inference.v1.ListModelsResponse\x12Y\n\x06Status\x12&.pagedserve.inference.v1.StatusRequest\x1a\'.pagedserve.inference.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pagedserve/protos/inference.proto\x12\x17pagedserve.inference.v1\x1a!pagedserve/protos/kv_events.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\">\n\x04\x43hat\x12\x36\n\x08messages\x18\x01 \x03(\x0b\x32$.pagedserve.inference.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb4\x02\n\x14GenerationParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0e\n\x01n\x18\t \x01(\rH\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\xe0\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x36\n\ttoken_ids\x18\x03 \x01(\x0b\x32!.pagedserve.inference.v1.TokenIdsH\x00\x12-\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1d.pagedserve.inference.v1.ChatH\x00\x12=\n\x06params\x18\x05 \x01(\x0b\x32-.pagedserve.inference.v1.GenerationParametersB\x08\n\x06prompt\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xd2\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\r\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x07 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x08 \x01(\x01\x12\x0e\n\x06itl_ms\x18\t \x03(\x01\x12\x0c\n\x04seed\x18\n \x01(\x04\"\xfc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x37\n\x08logprobs\x18\x05 \x03(\x0b\x32%.pagedserve.inference.v1.TokenLogprob\x12<\n\rfinish_reason\x18\x06 \x01(\x0e\x32%.pagedserve.inference.v1.FinishReason\x12-\n\x05usage\x18\x07 \x01(\x0b\x32\x1e.pagedserve.inference.v1.Usage\"\xb3\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12<\n\rfinish_reason\x18\x04 \x01(\x0e\x32%.pagedserve.inference.v1.FinishReason\x12\x37\n\x08logprobs\x18\x05 \x03(\x0b\x32%.pagedserve.inference.v1.TokenLogprob\"\x8b\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x34\n\x07\x63hoices\x18\x02 \x03(\x0b\x32#.pagedserve.inference.v1.Completion\x12-\n\x05usage\x18\x03 \x01(\x0b\x32\x1e.pagedserve.inference.v1.Usage\"Y\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12-\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1d.pagedserve.inference.v1.ChatH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x13\n\x11ListModelsRequest\"\xf3\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\t \x01(\t\x12>\n\x0e\x63\x61\x63he_identity\x18\n \x01(\x0b\x32&.pagedserve.inference.v1.CacheIdentity\"\x86\x01\n\rCacheIdentity\x12\x14\n\x0cmodel_digest\x18\x01 \x01(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12\x15\n\rchat_template\x18\x03 \x01(\t\x12\x10\n\x08kv_dtype\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\"H\n\x12ListModelsResponse\x12\x32\n\x06models\x18\x01 \x03(\x0b\x32\".pagedserve.inference.v1.ModelInfo\"\x0f\n\rStatusRequest\"\xd9\x04\n\x0eStatusResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\r\x12\x16\n\x0e\x62lock_pressure\x18\x08 \x01(\x01\x12\x16\n\x0ekv_utilization\x18\t \x01(\x01\x12\x17\n\x0fprefix_hit_rate\x18\n \x01(\x01\x12!\n\x19num_preemptions_recompute\x18\x0b \x01(\x04\x12\x1c\n\x14num_preemptions_swap\x18\x0c \x01(\x04\x12\x1d\n\x15num_requests_finished\x18\r \x01(\x04\x12\x1f\n\x17generation_tokens_per_s\x18\x0e \x01(\x01\x12\x13\n\x0bgoodput_rps\x18\x0f \x01(\x01\x12\x13\n\x0bttft_slo_ms\x18\x10 \x01(\x01\x12\x13\n\x0btpot_slo_ms\x18\x11 \x01(\x01\x12\x13\n\x0bttft_ms_p50\x18\x12 \x01(\x01\x12\x13\n\x0bttft_ms_p99\x18\x13 \x01(\x01\x12\x13\n\x0btpot_ms_p50\x18\x14 \x01(\x01\x12\x13\n\x0btpot_ms_p99\x18\x15 \x01(\x01\x12\x10\n\x08window_s\x18\x16 \x01(\x01\x12\x1c\n\x14num_requests_refused\x18\x17 \x01(\x04\x12\x14\n\x0c\x66inished_rps\x18\x18 \x01(\x01*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x32\xe5\x04\n\tInference\x12\x61\n\x08Generate\x12(.pagedserve.inference.v1.GenerateRequest\x1a).pagedserve.inference.v1.GenerateResponse0\x01\x12_\n\x08\x43omplete\x12(.pagedserve.inference.v1.GenerateRequest\x1a).pagedserve.inference.v1.CompleteResponse\x12_\n\x08Tokenize\x12(.pagedserve.inference.v1.TokenizeRequest\x1a).pagedserve.inference.v1.TokenizeResponse\x12\x65\n\nListModels\x12*.pagedserve.inference.v1.ListModelsRequest\x1a+.pagedserve.inference.v1.ListModelsResponse\x12Y\n\x06Status\x12&.pagedserve.inference.v1.StatusRequest\x1a\'.pagedserve.inference.v1.StatusResponse\x12q\n\x11SubscribeKvEvents\x12\x31.pagedserve.kv_events.v1.SubscribeKvEventsRequest\x1a\'.pagedserve.kv_events.v1.KvEventMessage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.protos.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2651
-  _globals['_FINISHREASON']._serialized_end=2729
-  _globals['_CHATMESSAGE']._serialized_start=62
-  _globals['_CHATMESSAGE']._serialized_end=106
-  _globals['_CHAT']._serialized_start=108
-  _globals['_CHAT']._serialized_end=170
-  _globals['_TOKENIDS']._serialized_start=172
-  _globals['_TOKENIDS']._serialized_end=195
-  _globals['_GENERATIONPARAMETERS']._serialized_start=198
-  _globals['_GENERATIONPARAMETERS']._serialized_end=506
-  _globals['_GENERATEREQUEST']._serialized_start=509
-  _globals['_GENERATEREQUEST']._serialized_end=733
-  _globals['_TOKENLOGPROB']._serialized_start=735
-  _globals['_TOKENLOGPROB']._serialized_end=829
-  _globals['_USAGE']._serialized_start=832
-  _globals['_USAGE']._serialized_end=1042
-  _globals['_GENERATERESPONSE']._serialized_start=1045
-  _globals['_GENERATERESPONSE']._serialized_end=1297
-  _globals['_COMPLETION']._serialized_start=1300
-  _globals['_COMPLETION']._serialized_end=1479
-  _globals['_COMPLETERESPONSE']._serialized_start=1482
-  _globals['_COMPLETERESPONSE']._serialized_end=1621
-  _globals['_TOKENIZEREQUEST']._serialized_start=1623
-  _globals['_TOKENIZEREQUEST']._serialized_end=1712
-  _globals['_TOKENIZERESPONSE']._serialized_start=1714
-  _globals['_TOKENIZERESPONSE']._serialized_end=1751
-  _globals['_LISTMODELSREQUEST']._serialized_start=1753
-  _globals['_LISTMODELSREQUEST']._serialized_end=1772
-  _globals['_MODELINFO']._serialized_start=1775
-  _globals['_MODELINFO']._serialized_end=1954
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1956
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2028
-  _globals['_STATUSREQUEST']._serialized_start=2030
-  _globals['_STATUSREQUEST']._serialized_end=2045
-  _globals['_STATUSRESPONSE']._serialized_start=2048
-  _globals['_STATUSRESPONSE']._serialized_end=2649
-  _globals['_INFERENCE']._serialized_start=2732
-  _globals['_INFERENCE']._serialized_end=3230
+  _globals['_FINISHREASON']._serialized_start=2887
+  _globals['_FINISHREASON']._serialized_end=2965
+  _globals['_CHATMESSAGE']._serialized_start=97
+  _globals['_CHATMESSAGE']._serialized_end=141
+  _globals['_CHAT']._serialized_start=143
+  _globals['_CHAT']._serialized_end=205
+  _globals['_TOKENIDS']._serialized_start=207
+  _globals['_TOKENIDS']._serialized_end=230
+  _globals['_GENERATIONPARAMETERS']._serialized_start=233
+  _globals['_GENERATIONPARAMETERS']._serialized_end=541
+  _globals['_GENERATEREQUEST']._serialized_start=544
+  _globals['_GENERATEREQUEST']._serialized_end=768
+  _globals['_TOKENLOGPROB']._serialized_start=770
+  _globals['_TOKENLOGPROB']._serialized_end=864
+  _globals['_USAGE']._serialized_start=867
+  _globals['_USAGE']._serialized_end=1077
+  _globals['_GENERATERESPONSE']._serialized_start=1080
+  _globals['_GENERATERESPONSE']._serialized_end=1332
+  _globals['_COMPLETION']._serialized_start=1335
+  _globals['_COMPLETION']._serialized_end=1514
+  _globals['_COMPLETERESPONSE']._serialized_start=1517
+  _globals['_COMPLETERESPONSE']._serialized_end=1656
+  _globals['_TOKENIZEREQUEST']._serialized_start=1658
+  _globals['_TOKENIZEREQUEST']._serialized_end=1747
+  _globals['_TOKENIZERESPONSE']._serialized_start=1749
+  _globals['_TOKENIZERESPONSE']._serialized_end=1786
+  _globals['_LISTMODELSREQUEST']._serialized_start=1788
+  _globals['_LISTMODELSREQUEST']._serialized_end=1807
+  _globals['_MODELINFO']._serialized_start=1810
+  _globals['_MODELINFO']._serialized_end=2053
+  _globals['_CACHEIDENTITY']._serialized_start=2056
+  _globals['_CACHEIDENTITY']._serialized_end=2190
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2192
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2264
+  _globals['_STATUSREQUEST']._serialized_start=2266
+  _globals['_STATUSREQUEST']._serialized_end=2281
+  _globals['_STATUSRESPONSE']._serialized_start=2284
+  _globals['_STATUSRESPONSE']._serialized_end=2885
+  _globals['_INFERENCE']._serialized_start=2968
+  _globals['_INFERENCE']._serialized_end=3581
 # @@protoc_insertion_point(module_scope)

@@ -494,6 +494,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
+    CACHE_IDENTITY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     digest: _builtins.str
     max_model_len: _builtins.int
@@ -505,6 +506,8 @@ class ModelInfo(_message.Message):
     device: _builtins.str
     kv_cache_dtype: _builtins.str
     """of the KV cache: the weights' dtype, or bfloat16 under float32 weights"""
+    @_builtins.property
+    def cache_identity(self) -> Global___CacheIdentity: ...
     def __init__(
         self,
         *,
@@ -517,14 +520,53 @@ class ModelInfo(_message.Message):
         dtype: _builtins.str = ...,
         device: _builtins.str = ...,
         kv_cache_dtype: _builtins.str = ...,
+        cache_identity: Global___CacheIdentity | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cache_identity", b"cache_identity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "digest", b"digest", "dtype", b"dtype", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "name", b"name", "num_blocks", b"num_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "cache_identity", b"cache_identity", "device", b"device", "digest", b"digest", "dtype", b"dtype", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "name", b"name", "num_blocks", b"num_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class CacheIdentity(_message.Message):
+    """What shapes the pod's block keys besides the tenant (services/common/cache_identity.py): a router hashes a
+    prompt from the same root, and refuses a pod whose identity differs from the fleet's.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_DIGEST_FIELD_NUMBER: _builtins.int
+    TOKENIZER_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    KV_DTYPE_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    model_digest: _builtins.str
+    tokenizer: _builtins.str
+    chat_template: _builtins.str
+    kv_dtype: _builtins.str
+    block_size: _builtins.int
+    adapter: _builtins.str
+    def __init__(
+        self,
+        *,
+        model_digest: _builtins.str = ...,
+        tokenizer: _builtins.str = ...,
+        chat_template: _builtins.str = ...,
+        kv_dtype: _builtins.str = ...,
+        block_size: _builtins.int = ...,
+        adapter: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "block_size", b"block_size", "chat_template", b"chat_template", "kv_dtype", b"kv_dtype", "model_digest", b"model_digest", "tokenizer", b"tokenizer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CacheIdentity: _TypeAlias = CacheIdentity  # noqa: Y015
 
 @_typing.final
 class ListModelsResponse(_message.Message):

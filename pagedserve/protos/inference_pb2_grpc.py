@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from pagedserve.protos import inference_pb2 as pagedserve_dot_protos_dot_inference__pb2
+from pagedserve.protos import kv_events_pb2 as pagedserve_dot_protos_dot_kv__events__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -59,6 +60,11 @@ class InferenceStub:
                 request_serializer=pagedserve_dot_protos_dot_inference__pb2.StatusRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_protos_dot_inference__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/pagedserve.inference.v1.Inference/SubscribeKvEvents',
+                request_serializer=pagedserve_dot_protos_dot_kv__events__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_protos_dot_kv__events__pb2.KvEventMessage.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -99,6 +105,15 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """The pod's prefix cache as it changes, for routers: a snapshot of every cached block key, then each
+        step's stored / removed / cleared keys in numbered batches (a heartbeat at least every second), each
+        message with the pod's load. Under the same TLS and API keys as the rest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +141,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=pagedserve_dot_protos_dot_inference__pb2.StatusRequest.FromString,
                     response_serializer=pagedserve_dot_protos_dot_inference__pb2.StatusResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=pagedserve_dot_protos_dot_kv__events__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=pagedserve_dot_protos_dot_kv__events__pb2.KvEventMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +283,33 @@ class Inference:
             '/pagedserve.inference.v1.Inference/Status',
             pagedserve_dot_protos_dot_inference__pb2.StatusRequest.SerializeToString,
             pagedserve_dot_protos_dot_inference__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagedserve.inference.v1.Inference/SubscribeKvEvents',
+            pagedserve_dot_protos_dot_kv__events__pb2.SubscribeKvEventsRequest.SerializeToString,
+            pagedserve_dot_protos_dot_kv__events__pb2.KvEventMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,6 +6,7 @@ The public API of a pagedserve pod."""
 from collections import abc as _abc
 from grpc import aio as _aio
 from pagedserve.protos import inference_pb2 as _inference_pb2
+from pagedserve.protos import kv_events_pb2 as _kv_events_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys
@@ -42,6 +43,11 @@ class InferenceStub:
     ListModels: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]
     Status: _grpc.UnaryUnaryMultiCallable[_inference_pb2.StatusRequest, _inference_pb2.StatusResponse]
     """Scheduler and KV-cache state, and serving metrics (for `pagedserve status` and the operator)."""
+    SubscribeKvEvents: _grpc.UnaryStreamMultiCallable[_kv_events_pb2.SubscribeKvEventsRequest, _kv_events_pb2.KvEventMessage]
+    """The pod's prefix cache as it changes, for routers: a snapshot of every cached block key, then each
+    step's stored / removed / cleared keys in numbered batches (a heartbeat at least every second), each
+    message with the pod's load. Under the same TLS and API keys as the rest.
+    """
 
 @_typing.type_check_only
 class InferenceAsyncStub(InferenceStub):
@@ -57,6 +63,11 @@ class InferenceAsyncStub(InferenceStub):
     ListModels: _aio.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]  # type: ignore[assignment]
     Status: _aio.UnaryUnaryMultiCallable[_inference_pb2.StatusRequest, _inference_pb2.StatusResponse]  # type: ignore[assignment]
     """Scheduler and KV-cache state, and serving metrics (for `pagedserve status` and the operator)."""
+    SubscribeKvEvents: _aio.UnaryStreamMultiCallable[_kv_events_pb2.SubscribeKvEventsRequest, _kv_events_pb2.KvEventMessage]  # type: ignore[assignment]
+    """The pod's prefix cache as it changes, for routers: a snapshot of every cached block key, then each
+    step's stored / removed / cleared keys in numbered batches (a heartbeat at least every second), each
+    message with the pod's load. Under the same TLS and API keys as the rest.
+    """
 
 class InferenceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -99,5 +110,16 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.StatusResponse, _abc.Awaitable[_inference_pb2.StatusResponse]]:
         """Scheduler and KV-cache state, and serving metrics (for `pagedserve status` and the operator)."""
+
+    @_abc_1.abstractmethod
+    def SubscribeKvEvents(
+        self,
+        request: _kv_events_pb2.SubscribeKvEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_kv_events_pb2.KvEventMessage], _abc.AsyncIterator[_kv_events_pb2.KvEventMessage]]:
+        """The pod's prefix cache as it changes, for routers: a snapshot of every cached block key, then each
+        step's stored / removed / cleared keys in numbered batches (a heartbeat at least every second), each
+        message with the pod's load. Under the same TLS and API keys as the rest.
+        """
 
 def add_InferenceServicer_to_server(servicer: InferenceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

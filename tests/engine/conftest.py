@@ -12,10 +12,11 @@ from tiny_model import EOS, VOCAB
 
 from pagedserve.services.block_manager.contract import AdvanceOp, DecodeOp, Op, SpareOp, StepAnswer
 from pagedserve.services.block_manager.manager import BlockManager
+from pagedserve.services.common.cache_identity import CacheIdentity
 from pagedserve.services.executor.engine_config import build_runner, dtype_name
 from pagedserve.services.executor.options import ExecutorConfig
 from pagedserve.services.executor.runner import ModelRunner
-from pagedserve.services.frontend.engine import Engine, EngineLimits, ModelIdentity
+from pagedserve.services.frontend.engine import Engine, EngineLimits
 from pagedserve.services.frontend.ports import LocalBlockManager, LocalExecutor
 from pagedserve.services.frontend.scheduler import Scheduler, SchedulerConfig
 
@@ -87,7 +88,7 @@ def make_engine(tiny_llama_dir: Path, runners: dict[tuple[int, int], object], ov
             CheckedBlockManager(manager),
         )
         limits = EngineLimits(VOCAB, info.max_model_len, num_blocks, block_size, frozenset({EOS}))
-        identity = ModelIdentity(info.model_digest, "tiny", "", dtype_name(runner.kv_dtype))
+        identity = CacheIdentity(info.model_digest, "tiny", "", dtype_name(runner.kv_dtype), block_size)
         return Engine(scheduler, LocalExecutor(runner), limits, identity, overlap), manager
 
     return make

@@ -14,13 +14,14 @@ import pytest
 from tiny_model import EOS, VOCAB
 
 from pagedserve.services.block_manager.manager import BlockManager
+from pagedserve.services.common.cache_identity import CacheIdentity
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.executor.engine_config import build_runner, build_sequence_kv
 from pagedserve.services.executor.options import ExecutorConfig
 from pagedserve.services.executor.runner import ModelRunner
 from pagedserve.services.executor.step_types import GREEDY, SequenceInput, StepInput
 from pagedserve.services.executor.virtual_kv import StaticKV, VirtualKV
-from pagedserve.services.frontend.engine import Engine, EngineLimits, ModelIdentity
+from pagedserve.services.frontend.engine import Engine, EngineLimits
 from pagedserve.services.frontend.ports import LocalBlockManager, LocalExecutor
 from pagedserve.services.frontend.request import GenerationParams, Request
 from pagedserve.services.frontend.scheduler import Scheduler, SchedulerConfig, shares_kv
@@ -57,7 +58,7 @@ def make_engine(loaded: ModelRunner, overlap: bool) -> Factory:
                                               share_kv=shares_kv(layout)), LocalBlockManager(manager))
         engine = Engine(scheduler, LocalExecutor(runner), EngineLimits(VOCAB, max_len, num_blocks, block_size,
                                                                        frozenset({EOS})),
-                        ModelIdentity("tiny", "tiny", "", "float32"), overlap)
+                        CacheIdentity("tiny", "tiny", "", "float32", block_size), overlap)
         return engine, manager, runner
 
     return make

@@ -64,7 +64,7 @@ def test_a_bf16_cache_doubles_the_blocks_and_keeps_the_answers(llm: LLM) -> None
         assert narrow.info.num_blocks == 2 * llm.info.num_blocks
         # what the blocks hold is part of the prefix cache's namespace: a bf16 block never serves an fp32 one
         assert (narrow.engine.identity.kv_dtype, llm.engine.identity.kv_dtype) == ("bfloat16", "float32")
-        assert narrow.engine.namespace(b"") != llm.engine.namespace(b"")
+        assert narrow.engine.identity.namespace(b"") != llm.engine.identity.namespace(b"")
         (paris,) = narrow.generate("The capital of France is", GenerationParams(max_tokens=8), progress=False)
         assert "Paris" in paris.outputs[0].text
         ours = narrow.generate(prompts, params, progress=False)

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from pagedserve.services.common.addresses import check_sidecar_listen, is_local_address
+from pagedserve.services.common.cache_salt import client_salt, tenant_salt
 from pagedserve.services.common.errors import InvalidRequest, OutOfCapacity
 from pagedserve.services.common.tls import TlsConfigError, server_credentials
-from pagedserve.services.frontend.auth import ApiKeys, KeysFileError, client_salt, presented_key, tenant_salt
+from pagedserve.services.frontend.auth import ApiKeys, KeysFileError, presented_key
 from pagedserve.services.frontend.limits import ApiLimits, StreamCounter
 from pagedserve.services.frontend.request import GenerationParams
 
@@ -60,6 +61,45 @@ def test_tenant_salt_separates_tenants_and_narrows_within_one() -> None:
     # a client salt cannot spell another tenant's namespace: the tenant's length is part of the input
     assert tenant_salt(secret, "ab", "") != tenant_salt(secret, "a", "b")
     assert tenant_salt(secret, "", "") == b"" and tenant_salt(b"t" * 32, "alpha", "") != alpha
+
+
+def test_frontends_given_one_secret_file_compute_one_salt(tmp_path: Path) -> None:
+    """The fleet's secret file: two frontends (their public settings loaded from the same flags, as `frontend` and
+    `serve` do) and a router (cache_salt.load_secret) derive the same salt for a tenant; without the file each
+    process draws its own secret and only the anonymous namespace is shared."""
+    import argparse
+
+    from pagedserve.services.common.cache_salt import CacheSaltSecretError, load_secret
+    from pagedserve.services.frontend.generation import Serving
+    from pagedserve.services.frontend.public_options import add_public_arguments, load_public_settings, public_flags
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(bytes(range(40)))
+    parser = argparse.ArgumentParser()
+    add_public_arguments(parser)
+
+    def frontend(*argv: str) -> Serving:
+        settings = load_public_settings(parser.parse_args(list(argv)))
+        return Serving(settings.keys, settings.limits, settings.cache_salt_secret)
+
+    args = parser.parse_args(["--cache-salt-secret-file", str(secret)])
+    assert public_flags(args) == ["--cache-salt-secret-file", str(secret), "--max-n", "16",
+                                  "--max-streams-per-tenant", "128", "--max-message-bytes", str(4 << 20)]
+    one, two = frontend(*public_flags(args)), frontend("--cache-salt-secret-file", str(secret))
+    meta = [("x-cache-salt", "team-1")]
+    router_side = tenant_salt(load_secret(str(secret)), "alpha", "team-1")
+    assert one.salt("alpha", meta) == two.salt("alpha", meta) == router_side
+    assert one.salt("alpha", []) == two.salt("alpha", []) != one.salt("beta", [])
+    unshared = frontend()
+    assert unshared.salt("alpha", []) != one.salt("alpha", []) and unshared.salt("", []) == one.salt("", []) == b""
+    other = tmp_path / "other"
+    other.write_bytes(bytes(range(1, 41)))
+    assert frontend("--cache-salt-secret-file", str(other)).salt("alpha", []) != one.salt("alpha", [])
+    other.write_bytes(b"x" * 31)
+    with pytest.raises(CacheSaltSecretError, match=r"holds 31 bytes; the secret needs at least 32"):
+        frontend("--cache-salt-secret-file", str(other))
+    with pytest.raises(CacheSaltSecretError, match="cannot read it"):
+        frontend("--cache-salt-secret-file", str(tmp_path / "missing"))
 
 
 def test_limits_name_the_field_and_the_limit() -> None:

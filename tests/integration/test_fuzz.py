@@ -13,6 +13,7 @@ import functools
 import http.client
 import itertools
 import json
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,9 @@ from pagedserve.protos import executor_pb2 as ex
 from pagedserve.protos import executor_pb2_grpc as ex_grpc
 from pagedserve.protos import inference_pb2 as pb
 from pagedserve.protos import inference_pb2_grpc as pb_grpc
+from pagedserve.protos import kv_events_pb2 as kv_pb
+from pagedserve.services.common.kv_events import BlocksRemoved, BlocksStored, KvEventBatch, KvSnapshot
+from pagedserve.services.common.kv_events_codec import kv_message_from_proto
 from pagedserve.services.common.processes import ServiceProcess, start_service, stop_service
 
 Code = grpc.StatusCode
@@ -157,6 +161,65 @@ def answer(call: Callable[[], Any], allowed: set[grpc.StatusCode]) -> Any:
     return response
 
 
+def first_and_cancel(stream: Any) -> Any:
+    try:
+        return next(stream)
+    finally:
+        stream.cancel()
+
+
+class EventReplay:
+    """A subscriber of SubscribeKvEvents on a thread: the cached keys rebuilt from the snapshot and the batches,
+    each message checked as it comes (one epoch, batches numbered one apart, heartbeats repeating the number)."""
+
+    def __init__(self, stream: Any, with_load: bool) -> None:
+        self.stream, self.with_load = stream, with_load
+        self.keys: set[bytes] = set()
+        self.epoch, self.sequence, self.problem = "", -1, ""
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for message in self.stream:
+                self._apply(kv_message_from_proto(message))
+                if self.with_load and not message.HasField("load"):
+                    self.problem = f"no load report in {message}"
+        except grpc.RpcError as exc:
+            if exc.code() != Code.CANCELLED:
+                self.problem = f"the stream ended {exc.code()}: {exc.details()}"
+        except Exception as exc:
+            self.problem = repr(exc)
+
+    def _apply(self, message: KvSnapshot | KvEventBatch) -> None:
+        if isinstance(message, KvSnapshot):
+            assert self.sequence == -1, "a second snapshot"
+            self.epoch, self.sequence, self.keys = message.epoch, message.sequence, set(message.block_hashes)
+            return
+        assert message.epoch == self.epoch and message.sequence == self.sequence + bool(message.events), message
+        self.sequence = message.sequence
+        for change in message.events:
+            if isinstance(change, BlocksStored):
+                self.keys |= set(change.block_hashes)
+            elif isinstance(change, BlocksRemoved):
+                self.keys -= set(change.block_hashes)
+            else:
+                self.keys.clear()
+
+    def assert_matches(self, subscribe: Callable[[], Any]) -> None:
+        """A fresh subscription's snapshot equals the keys replayed up to its sequence."""
+        snapshot = kv_message_from_proto(first_and_cancel(subscribe()))
+        assert isinstance(snapshot, KvSnapshot) and snapshot.epoch == self.epoch
+        wait_for(lambda: self.problem or self.sequence >= snapshot.sequence, "the replay caught up", timeout=10,
+                 poll_s=0.01)
+        assert not self.problem, self.problem
+        assert self.sequence == snapshot.sequence and self.keys == snapshot.block_hashes
+
+    def close(self) -> None:
+        self.stream.cancel()
+        self.thread.join(timeout=10)
+
+
 # ---- block manager ---------------------------------------------------------------------------------------------------
 
 @fuzz(150)
@@ -176,6 +239,29 @@ def test_block_manager_steps(block_manager: ServiceProcess, data: st.DataObject)
     assert stats.num_free_blocks + stats.num_used_blocks == stats.num_total_blocks == BM_BLOCKS
     assert (stats.num_sequences, stats.num_swapped_sequences) == (len(sequences.resident | sequences.swapped),
                                                                   len(sequences.swapped))
+    assert_serving(block_manager)
+
+
+@fuzz(60)
+@given(data=st.data())
+def test_block_manager_kv_events(block_manager: ServiceProcess, data: st.DataObject) -> None:
+    """Whatever the steps do to the prefix index (admissions, commits, evictions, swaps, refusals, invalid steps,
+    a Reset), a subscriber's replay of the events equals a later snapshot."""
+    sequences = Sequences()
+    with grpc.insecure_channel(block_manager.address) as channel:
+        stub = bm_grpc.BlockManagerStub(channel)
+        subscribe = functools.partial(stub.SubscribeKvEvents, kv_pb.SubscribeKvEventsRequest(), timeout=60)
+        replay = EventReplay(subscribe(), with_load=False)
+        try:
+            answer(lambda: stub.Reset(bm.ResetRequest(), timeout=30), {OK})
+            for _ in range(data.draw(st.integers(1, 10), label="steps")):
+                ops = data.draw(st.lists(sequences.ops(), min_size=1, max_size=3), label="ops")
+                response = answer(lambda ops=ops: one(stub.Step, bm.StepRequest(ops=ops)), {OK, INVALID})
+                if response is not None:
+                    sequences.update(ops, response)
+            replay.assert_matches(subscribe)
+        finally:
+            replay.close()
     assert_serving(block_manager)
 
 
@@ -290,6 +376,25 @@ def test_frontend_generate(stack: Stack, request: pb.GenerateRequest, how: Call)
     stack.assert_up_and_idle()
 
 
+@fuzz(25)
+@given(request=GENERATE_REQUESTS, how=CALLS,
+       metadata=st.lists(st.tuples(st.sampled_from(["x-api-key", "authorization", "x-cache-salt"]),
+                                   st.text("abc- ", max_size=8)), max_size=2))
+def test_frontend_kv_events(stack: Stack, request: pb.GenerateRequest, how: Call,
+                            metadata: list[tuple[str, str]]) -> None:
+    """The pod's relay under any request and any caller (no keys file: every caller is trusted): every message
+    carries the load, and the replay equals a later subscriber's snapshot."""
+    subscribe = functools.partial(stack.stub.SubscribeKvEvents, kv_pb.SubscribeKvEventsRequest(), timeout=60,
+                                  metadata=metadata)
+    replay = EventReplay(subscribe(), with_load=True)
+    try:
+        generate(stack.stub, request, how)
+        stack.assert_up_and_idle()
+        replay.assert_matches(subscribe)
+    finally:
+        replay.close()
+
+
 @fuzz(40)
 @given(request=st.one_of(st.builds(pb.TokenizeRequest, text=TEXTS), st.builds(pb.TokenizeRequest, chat=CHATS),
                          st.just(pb.TokenizeRequest())))
@@ -397,7 +502,10 @@ def test_random_bytes_to_every_method(request: pytest.FixtureRequest, name: str)
         with grpc.insecure_channel(service.address) as channel:
             for method in descriptor.methods:
                 path = f"/{descriptor.full_name}/{method.name}"
-                if method.server_streaming:
+                if method.name == "SubscribeKvEvents":  # endless: its snapshot, or its error
+                    stream = channel.unary_stream(path)
+                    answer(lambda stream=stream: first_and_cancel(stream(payload, timeout=60)), allowed)
+                elif method.server_streaming:
                     stream = channel.unary_stream(path)
                     answer(lambda stream=stream: list(stream(payload, timeout=60)), allowed)
                 else:

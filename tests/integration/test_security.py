@@ -27,6 +27,7 @@ from tls_testing import Certs, make_certs
 
 from pagedserve.protos import inference_pb2 as pb
 from pagedserve.protos import inference_pb2_grpc as pb_grpc
+from pagedserve.protos import kv_events_pb2
 from pagedserve.services.common.processes import running_service, start_service, stop_service
 
 KEY_A, KEY_A_ROTATED, KEY_B = "alpha-key-0123456789abcdef", "alpha-key-rotated-0123456789", "beta-key-0123456789abcdef"
@@ -76,6 +77,14 @@ def complete(pod: Pod, metadata: list[tuple[str, str]], text: str = "Hello", **p
     return pod.stub.Complete(request, timeout=60, metadata=metadata)
 
 
+def first_and_cancel(stream: Any) -> Any:
+    """The first message of an endless stream (the snapshot of SubscribeKvEvents), then the stream cancelled."""
+    try:
+        return next(stream)
+    finally:
+        stream.cancel()
+
+
 def calls_of_every_method(stub: pb_grpc.InferenceStub, metadata: list[tuple[str, str]]) -> dict[str, Callable[[], Any]]:
     generate = pb.GenerateRequest(text="Hello", params=pb.GenerationParameters(max_tokens=2))
     calls = {
@@ -84,6 +93,8 @@ def calls_of_every_method(stub: pb_grpc.InferenceStub, metadata: list[tuple[str,
         "Tokenize": lambda: stub.Tokenize(pb.TokenizeRequest(text="Hello"), timeout=30, metadata=metadata),
         "ListModels": lambda: stub.ListModels(pb.ListModelsRequest(), timeout=30, metadata=metadata),
         "Status": lambda: stub.Status(pb.StatusRequest(), timeout=30, metadata=metadata),
+        "SubscribeKvEvents": lambda: first_and_cancel(stub.SubscribeKvEvents(
+            kv_events_pb2.SubscribeKvEventsRequest(), timeout=30, metadata=metadata)),
     }
     assert set(calls) == set(pb.DESCRIPTOR.services_by_name["Inference"].methods_by_name)  # none forgotten
     return calls

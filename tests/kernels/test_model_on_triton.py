@@ -21,10 +21,11 @@ from tiny_model import randomize_norms_and_biases
 
 from pagedserve.kernels import get_backend
 from pagedserve.services.block_manager.manager import BlockManager
+from pagedserve.services.common.cache_identity import CacheIdentity
 from pagedserve.services.executor.model.loader import load_model
 from pagedserve.services.executor.runner import ModelRunner
 from pagedserve.services.executor.step_types import SampledToken, StepInput
-from pagedserve.services.frontend.engine import Engine, EngineLimits, ModelIdentity
+from pagedserve.services.frontend.engine import Engine, EngineLimits
 from pagedserve.services.frontend.ports import LocalBlockManager
 from pagedserve.services.frontend.request import GenerationParams, Request
 from pagedserve.services.frontend.scheduler import Scheduler, SchedulerConfig
@@ -89,7 +90,7 @@ def test_the_model_on_triton_kernels_steps_as_the_torch_path(kind: str, tmp_path
     scheduler = Scheduler(SchedulerConfig(BLOCK_SIZE, 256, 8, 8, "swap", repeat_batches=False),
                           LocalBlockManager(manager))
     engine = Engine(scheduler, executor, EngineLimits(96, 256, NUM_BLOCKS, BLOCK_SIZE, frozenset()),
-                    ModelIdentity("digest", kind, "", "float32"))
+                    CacheIdentity("digest", kind, "", "float32", BLOCK_SIZE))
     prompt = [(7 * i + 3) % 96 for i in range(13)]
     greedy = GenerationParams(max_tokens=12, ignore_eos=True)
 

@@ -55,6 +55,8 @@ def test_a_gap_drops_the_view_until_a_snapshot() -> None:
     assert index.apply_batch("a", KvEventBatch("e", 3), now=3.0)  # a heartbeat
     assert index.heard_at("a") == 3.0
     assert index.apply_batch("a", KvEventBatch("e", 5, (BlocksStored((KEYS[2],)),)), now=4.0) is False  # 4 lost
+    index.apply_snapshot("a", KvSnapshot("e", 5, frozenset(KEYS[:2])), now=4.5)
+    assert index.apply_batch("a", KvEventBatch("e", 6), now=4.6) is False  # a heartbeat after batch 6: it was lost
     assert not index.in_sync("a") and index.heard_at("a") is None
     assert index.longest_prefix("a", KEYS[:3]) == 0 and index.num_cached_blocks("a") == 0
     index.apply_snapshot("a", KvSnapshot("e2", 0), now=5.0)  # the pod restarted meanwhile
@@ -132,8 +134,9 @@ def test_index_matches_the_publishers(steps: list[tuple[str, str, bytes]], queri
             if action == "replay" and len(publisher.sent) > 1:
                 batch = publisher.sent[-2]  # an old batch again; the new one is lost
             if action != "drop":
+                next_sequence = subscription.sequence + (1 if batch.events else 0)  # a heartbeat repeats the last
                 applied = subscription.in_sync and batch.epoch == subscription.epoch and (
-                    batch.sequence <= subscription.sequence + 1)
+                    batch.sequence <= next_sequence)
                 assert index.apply_batch(pod, batch, float(now)) == applied
                 subscription.in_sync = applied
                 subscription.sequence = max(subscription.sequence, batch.sequence) if applied else 0

@@ -12,7 +12,9 @@ from pagedserve.services.block_manager.manager import BlockManager
 from pagedserve.services.block_manager.prefix_hash import cache_namespace
 from pagedserve.services.common.cache_identity import CacheIdentity
 from pagedserve.services.common.kv_events import BlocksStored, KvEventBatch, KvSnapshot
-from pagedserve.services.frontend.engine import Engine, EngineLimits, ModelIdentity
+from pagedserve.services.common.kv_events_codec import cache_identity_from_proto, cache_identity_to_proto
+from pagedserve.services.frontend.engine import Engine, EngineLimits
+from pagedserve.services.frontend.request import GenerationParams, Request
 from pagedserve.services.router.pod_index import PodIndex
 from pagedserve.services.router.prompt_blocks import chained_block_hashes, prompt_blocks
 
@@ -21,14 +23,20 @@ IDENTITY = CacheIdentity(model_digest="sha256:m", tokenizer="tok", chat_template
 
 
 def test_namespace_is_the_pods() -> None:
-    """The router's CacheIdentity roots the chain where the pod's Engine does, field for field."""
-    pod_identity = ModelIdentity("sha256:m", "tok", "{{ x }}", "bfloat16", adapter="lora-1")
+    """The router's CacheIdentity (rebuilt from the pod's ListModels) roots the chain where the pod's Engine
+    roots a request's, field for field."""
+    pod_identity = CacheIdentity("sha256:m", "tok", "{{ x }}", "bfloat16", 4, adapter="lora-1")
     limits = EngineLimits(vocab_size=10, max_model_len=64, num_blocks=8, block_size=4, eos_token_ids=frozenset())
-    pod_side = SimpleNamespace(identity=pod_identity, limits=limits)
-    router_side = CacheIdentity("sha256:m", "tok", "{{ x }}", "bfloat16", 4, adapter="lora-1")
+    queued: list[Request] = []
+    scheduler = SimpleNamespace(request=lambda request_id: None, add=queued.append)
+    engine = Engine(scheduler, None, limits, pod_identity)  # type: ignore[arg-type]
+    router_side = cache_identity_from_proto(cache_identity_to_proto(pod_identity))
     for salt in (b"", b"tenant-salt"):
-        assert router_side.namespace(salt) == Engine.namespace(pod_side, salt)  # type: ignore[arg-type]
+        request = engine.add_request(f"r{len(queued)}", [1, 2, 3], GenerationParams(max_tokens=1), tenant_salt=salt)
+        assert router_side.namespace(salt) == request.cache_namespace
     assert router_side.namespace(b"a") != router_side.namespace(b"b")
+    with pytest.raises(ValueError, match="block_size"):
+        Engine(scheduler, None, limits, CacheIdentity("m", "t", "", "f", 8))  # type: ignore[arg-type]
 
 
 def test_differences_name_the_field() -> None:

@@ -481,3 +481,33 @@ def test_a_fork_of_a_sequence_swapped_in_by_the_step_is_not_swapped_out_in_it() 
     assert outcomes[1].deltas == [BlockTableDelta(2, 0, tuple(m.block_table(1)))]
     assert apply_step(m, [SwapOutOp([2])])[0].granted
     m.check_integrity()
+
+
+def test_kv_events_follow_the_prefix_index() -> None:
+    """Stored once per new key (twin content emits nothing), removed when an eviction hands the block out, cleared
+    on reset; batches numbered from 1 in the manager's epoch, an empty take a heartbeat with the same number."""
+    from pagedserve.services.common.kv_events import AllCleared, BlocksRemoved, BlocksStored
+
+    m = BlockManager(num_blocks=4, block_size=2)
+    recorder = m.record_kv_events()
+    assert m.record_kv_events() is recorder and recorder.epoch == m.instance_id
+    assert m.kv_snapshot().sequence == 0 and not m.kv_snapshot().block_hashes
+    fill(m, 1, [1, 2, 3, 4])
+    k1 = block_hash(NS_A, [1, 2])
+    k2 = block_hash(k1, [3, 4])
+    batch = recorder.take_batch()
+    assert (batch.sequence, batch.events) == (1, (BlocksStored((k1, k2)),))
+    heartbeat = recorder.take_batch()
+    assert (heartbeat.sequence, heartbeat.events) == (1, ())
+    fill(m, 2, [1, 2, 3, 4], NS_A)  # reuses k1; its own last block holds k2's content again: no new key
+    assert recorder.take_batch().events == ()
+    m.free(1)
+    m.free(2)
+    fill(m, 3, [9, 9, 8, 8, 7, 7])  # 3 blocks of 4: the free queue hands out cached ones last, evicting one
+    events = recorder.take_batch().events
+    assert isinstance(events[-1], BlocksStored) and len(events[-1].block_hashes) == 3
+    removed = [h for e in events if isinstance(e, BlocksRemoved) for h in e.block_hashes]
+    assert removed and set(removed) <= {k1, k2} and m.kv_snapshot().block_hashes == set(m.pool.cached)
+    m.reset()
+    batch = recorder.take_batch()
+    assert batch.events == (AllCleared(),) and batch.sequence == 3 and not m.kv_snapshot().block_hashes

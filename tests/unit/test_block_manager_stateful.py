@@ -27,6 +27,7 @@ from pagedserve.services.block_manager.contract import AdmitOp, CommitOp, Invali
 from pagedserve.services.block_manager.manager import BlockManager
 from pagedserve.services.block_manager.prefix_hash import block_hash, cache_namespace
 from pagedserve.services.block_manager.step import apply_step
+from pagedserve.services.common.kv_events import BlocksRemoved, BlocksStored
 
 MONOTONIC = ("prefix_cache_queries", "prefix_cache_hits", "num_cow_copies", "num_swapped_out_blocks",
              "num_swapped_in_blocks", "num_evictions")
@@ -63,6 +64,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 watermark=st.sampled_from([0.0, 0.1, 0.25]))
     def setup(self, num_blocks: int, block_size: int, num_cpu_blocks: int, watermark: float) -> None:
         self.manager = BlockManager(num_blocks, block_size, num_cpu_blocks, watermark)
+        self.events = self.manager.record_kv_events()
+        self.published: set[bytes] = set()  # the prefix index as a subscriber rebuilds it from the events
         self.model = AllocatorModel(num_blocks, block_size, num_cpu_blocks, watermark)
         self.kv = KVCacheSim(num_blocks, num_cpu_blocks, block_size)
         self.namespaces = namespaces(block_size)
@@ -491,9 +494,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for name in MONOTONIC:
             assert getattr(stats, name) >= getattr(self.last_stats, name), f"{name} went down"
         self.last_stats = stats
+        self.check_kv_events()
         wrong = self.kv.mismatches(model)
         assert not wrong, "KV read back through the block tables is wrong:\n" + "\n".join(wrong[:10])
         self.verified = True
+
+    def check_kv_events(self) -> None:
+        """Whatever path changed the index (admission, commit, decode, swap-in, eviction), its events say so:
+        replayed, they give the index's keys; a batch with events is numbered one past the last."""
+        before = self.events.sequence
+        batch = self.events.take_batch()
+        assert batch.sequence == before + (1 if batch.events else 0) and batch.epoch == self.manager.instance_id
+        for change in batch.events:
+            if isinstance(change, BlocksStored):
+                assert not self.published & set(change.block_hashes), "stored a key the index already held"
+                self.published |= set(change.block_hashes)
+            elif isinstance(change, BlocksRemoved):
+                assert set(change.block_hashes) <= self.published, "removed a key the index did not hold"
+                self.published -= set(change.block_hashes)
+            else:
+                self.published.clear()
+        assert self.published == set(self.manager.pool.cached), "the KV events differ from the prefix index"
+        snapshot = self.manager.kv_snapshot()
+        assert (snapshot.sequence, snapshot.block_hashes) == (batch.sequence, self.published)
 
     def teardown(self) -> None:
         if not self.verified:  # a rule failed: leave its error alone

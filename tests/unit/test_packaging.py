@@ -48,6 +48,16 @@ CONTAINER_STARTS = {
         "build_parser(argv).parse_args(argv)\n"
         "import pagedserve.services.block_manager.server\n"
     ),
+    # the fleet's router: its CLI, its server module and the tokenizer it hashes prompts with
+    "router": (
+        "from pagedserve.cli import build_parser\n"
+        "argv = ['router', '--endpoints', '127.0.0.1:1,127.0.0.1:2']\n"
+        "build_parser(argv).parse_args(argv)\n"
+        "import pagedserve.services.router.server\n"
+        "from pagedserve.services.executor.model.registry import resolve_model\n"
+        "from pagedserve.services.executor.model.tokenizer import load_tokenizer, render_chat\n"
+        "render_chat(load_tokenizer(resolve_model('smollm2-135m')), [{'role': 'user', 'content': 'hi'}])\n"
+    ),
     "executor": "import pagedserve.services.executor.server\n",
     "operator": (
         "from pagedserve.cli import build_parser\n"
@@ -73,7 +83,7 @@ def loaded(component: str, modules: tuple[str, ...] = ("torch",)) -> list[str]:
     return list(ast.literal_eval(out.stdout.strip().splitlines()[-1]))
 
 
-@pytest.mark.parametrize("component", ["frontend", "block-manager", "serve"])
+@pytest.mark.parametrize("component", ["frontend", "block-manager", "serve", "router"])
 def test_only_the_executor_container_loads_torch(component: str) -> None:
     assert not loaded(component), f"the {component} imported torch"
 
@@ -88,3 +98,10 @@ def test_the_operator_needs_no_model_stack() -> None:
     refused = subprocess.run([sys.executable, "-m", "pagedserve", "operator"], capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode != 0 and "--namespace NS (repeatable) or --all-namespaces" in refused.stderr
+
+
+def test_the_router_runs_no_engine() -> None:
+    """`pagedserve router` forwards requests: it must not load the pods' engine, scheduler or block manager."""
+    unwanted = ("pagedserve.services.frontend.engine", "pagedserve.services.frontend.scheduler",
+                "pagedserve.services.block_manager.manager", "pagedserve.services.executor.runner")
+    assert loaded("router", unwanted) == []

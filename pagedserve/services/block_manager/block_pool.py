@@ -4,11 +4,17 @@ A block with refcount 0 sits in the free queue. Blocks that hold a registered pr
 the tail (reused last, so cached prefixes survive as long as possible); blocks with nothing worth
 keeping go to the head. A cached block is evicted (dropped from the index) only when `allocate` hands
 it out again, so a prefix hit can revive any block still in the queue.
+
+Every change of the index goes through `register`, `allocate` and `reset`, so those three tell the KV-event
+recorder (common/kv_events.py), when one is attached: what a router learns of this pod's cache is exactly what
+the index did, whichever path of the manager (admission, commit, decode, swap-in) caused it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+
+from ..common.kv_events import KvEventRecorder
 
 
 class KVBlock:
@@ -97,6 +103,7 @@ class BlockPool:
         # executor applies a step's block moves before its writes, so a block must not be read (as a
         # copy or swap source) and rewritten (as a destination) within the same step.
         self._held_back: dict[int, KVBlock] | None = None
+        self.events: KvEventRecorder | None = None  # the index's changes, while a publisher wants them
 
     def begin_step(self) -> None:
         self._held_back = {}
@@ -123,6 +130,8 @@ class BlockPool:
         block = self.free_queue.popleft()
         if block.block_hash is not None:
             del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
             block.block_hash = None
             self.num_cached_free -= 1
             self.num_evictions += 1
@@ -175,6 +184,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash)
         return True
 
     def reset(self) -> None:
@@ -184,3 +195,5 @@ class BlockPool:
         self.cached.clear()
         self.num_cached_free = 0
         self.num_filled_used = 0
+        if self.events is not None:
+            self.events.cleared()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable, Sequence
 
+from ..common.kv_events import KvEventRecorder, KvSnapshot
 from ..common.kv_geometry import blocks_for, slot
 from .block_pool import BlockPool, KVBlock
 from .contract import (
@@ -425,6 +426,19 @@ class BlockManager:
             watermark=self.watermark,
             instance_id=self.instance_id,
         )
+
+    def record_kv_events(self) -> KvEventRecorder:
+        """From now on, every change of the prefix index is recorded (kv_events.py), in the epoch of this
+        instance; the caller takes a batch after each step. Off by default: an in-process engine has no one to
+        tell, and the list would only grow."""
+        if self.pool.events is None:
+            self.pool.events = KvEventRecorder(self.instance_id)
+        return self.pool.events
+
+    def kv_snapshot(self) -> KvSnapshot:
+        """Every key the prefix index holds, after the last batch taken (record_kv_events first)."""
+        assert self.pool.events is not None, "kv_snapshot without record_kv_events"
+        return self.pool.events.snapshot(frozenset(self.pool.cached))
 
     def check_integrity(self) -> None:
         """Recomputes every invariant from scratch and asserts it (slow: for tests and soak runs)."""

@@ -1,7 +1,8 @@
 """The block-manager sidecar: the pure core behind gRPC. One Step message per scheduler step, on a stream.
 
 The core is synchronous and each step runs to completion without awaiting, so it is atomic with respect to
-every other call on the event loop.
+every other call on the event loop. After each Step and Reset, the prefix index's changes go out as one batch
+of KV events to the subscribers of `SubscribeKvEvents` (kv_publisher.py).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import grpc.aio
 
 from ...protos import block_manager_pb2 as pb
 from ...protos import block_manager_pb2_grpc as pb_grpc
-from ...protos import executor_pb2, executor_pb2_grpc
+from ...protos import executor_pb2, executor_pb2_grpc, kv_events_pb2
 from ..common.addresses import add_allow_remote_argument, check_sidecar_listen
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from ..common.processes import wait_serving
 from ..common.tracing import message_span
 from .codec import SERVICE_NAME, STEP_METHOD, answer_to_proto, op_from_proto, stats_to_proto
+from .kv_publisher import KvEventPublisher
 from .manager import BlockManager
 from .step import apply_step
 
@@ -31,6 +33,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     def __init__(self, manager: BlockManager, check_integrity: bool = False) -> None:
         self.manager = manager
         self.check_integrity = check_integrity  # every invariant recomputed after each change (tests, soak)
+        self.events = KvEventPublisher(manager)
 
     async def Step(self, requests: AsyncIterator[pb.StepRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResponse]:
@@ -41,7 +44,10 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
 
     def _step(self, request: pb.StepRequest) -> pb.StepResponse:
         ops = [op_from_proto(i, op) for i, op in enumerate(request.ops)]
-        outcomes = apply_step(self.manager, ops)
+        try:
+            outcomes = apply_step(self.manager, ops)
+        finally:
+            self.events.publish()
         if self.check_integrity:
             self.manager.check_integrity()  # an AssertionError: INTERNAL, and the frontend fails its requests
         return answer_to_proto(outcomes, self.manager.stats())
@@ -51,9 +57,15 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
 
     async def Reset(self, request: pb.ResetRequest, context: grpc.aio.ServicerContext) -> pb.ResetResponse:
         self.manager.reset()
+        self.events.publish()
         if self.check_integrity:
             self.manager.check_integrity()
         return pb.ResetResponse(stats=stats_to_proto(self.manager.stats()))
+
+    async def SubscribeKvEvents(self, request: kv_events_pb2.SubscribeKvEventsRequest,
+                                context: grpc.aio.ServicerContext) -> AsyncIterator[kv_events_pb2.KvEventMessage]:
+        async for message in self.events.subscribe():
+            yield message
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +102,9 @@ async def serve(args: argparse.Namespace) -> None:
                  args.block_size, args.cpu_blocks)
     manager = BlockManager(args.num_blocks, args.block_size, args.cpu_blocks, args.watermark)
     service = GrpcService(args.listen, [SERVICE_NAME])
-    pb_grpc.add_BlockManagerServicer_to_server(BlockManagerServicer(manager, args.check_integrity), service.server)
+    servicer = BlockManagerServicer(manager, args.check_integrity)
+    pb_grpc.add_BlockManagerServicer_to_server(servicer, service.server)
+    service.on_stop.append(servicer.events.close)  # subscriptions never end by themselves
     await serve_until_signalled(service)
 
 

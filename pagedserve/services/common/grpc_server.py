@@ -259,6 +259,9 @@ class GrpcService:
             self.server,
         )
         self.port = 0
+        # called first at a stop: what ends the service's endless streams (a stream of events has no requests
+        # for OpenStreams to end, and would hold the stop for its whole grace)
+        self.on_stop: list[Callable[[], None]] = []
 
     async def start(self) -> None:
         if self.credentials is None:
@@ -283,6 +286,8 @@ class GrpcService:
 
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
+        for callback in self.on_stop:
+            callback()
         self.errors.streams.end()
         await self.server.stop(grace)
 

@@ -22,8 +22,10 @@ Ordering rules (the subscriber's `pod_index.PodIndex` relies on each):
    ignores one with sequence <= s (a duplicate), and on any other (a gap: batches were lost) stops
    trusting its view of the pod until the next snapshot.
 3. A batch with no events and the current sequence is a heartbeat: it says the stream is alive and nothing
-   changed. The publisher sends one at least every `HEARTBEAT_S`, so a subscriber that heard nothing for
-   `STALE_AFTER_S` treats the pod's view as stale.
+   changed. Its sequence is that of the last batch sent (a batch with events is never empty), so a subscriber
+   that last applied s and hears a heartbeat with s + 1 lost that batch: a gap, as in rule 2. The publisher
+   sends one at least every `HEARTBEAT_S`, so a subscriber that heard nothing for `STALE_AFTER_S` treats the
+   pod's view as stale.
 4. `epoch` names one life of the publisher's index (the block manager's `instance_id`). A restart starts a
    new epoch at sequence 0 with an empty index: a batch of an epoch other than the subscriber's is a gap.
 5. A subscription starts with a `KvSnapshot`: the whole set of cached keys after every batch up to and

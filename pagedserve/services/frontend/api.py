@@ -2,7 +2,8 @@
 
 What a request goes through (prompt, limits, engine, detokenization, stop strings, usage, abort when the
 client goes away or its deadline passes) is shared with the HTTP API: generation.py. Here: the protobuf
-messages, and a unary `Complete` assembled from the same chunks.
+messages, a unary `Complete` assembled from the same chunks, and the block manager's KV events relayed with the
+pod's load (kv_relay.py).
 """
 
 from __future__ import annotations
@@ -10,17 +11,21 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import grpc.aio
 from transformers import PreTrainedTokenizerFast
 
 from ...protos import inference_pb2 as pb
 from ...protos import inference_pb2_grpc as pb_grpc
-from ..common.errors import InvalidRequest
+from ...protos import kv_events_pb2
+from ..common.errors import InvalidRequest, NotReady
+from ..common.kv_events_codec import cache_identity_to_proto
 from ..executor.step_types import ExecutorInfo
 from .auth import ApiKeys
 from .engine_loop import EngineLoop
 from .generation import Backend, Chunk, Serving, Usage
+from .kv_relay import KvEventRelay
 from .limits import DEFAULT_MAX_TOKENS, ApiLimits
 from .request import FinishReason, GenerationParams
 
@@ -32,11 +37,13 @@ FINISH = {FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH, FinishReas
 class InferenceServicer(pb_grpc.InferenceServicer):
     """Registered before the server starts (gRPC requires it); answers UNAVAILABLE until `attach`. With
     `keys`, generation needs a listed key on any listener (the public one's interceptor guards the rest).
-    `serving`: the state shared with the HTTP API (one is made from `keys` and `limits` when not given)."""
+    `serving`: the state shared with the HTTP API (one is made from `keys` and `limits` when not given).
+    `kv_events`: the relay of the block manager's KV events (SubscribeKvEvents is UNAVAILABLE without one)."""
 
     def __init__(self, keys: ApiKeys | None = None, limits: ApiLimits | None = None,
-                 serving: Serving | None = None) -> None:
+                 serving: Serving | None = None, kv_events: KvEventRelay | None = None) -> None:
         self.serving = serving or Serving(keys, limits)
+        self.kv_events = kv_events
 
     def attach(self, backend: Backend) -> None:
         self.serving.attach(backend)
@@ -137,7 +144,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             name=i.model, digest=i.model_digest, max_model_len=i.max_model_len, vocab_size=i.vocab_size,
             block_size=i.block_size, num_blocks=i.num_blocks, dtype=i.dtype, device=i.device,
-            kv_cache_dtype=i.cache_dtype,
+            kv_cache_dtype=i.cache_dtype, cache_identity=cache_identity_to_proto(self.loop.engine.identity),
         )])
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
@@ -154,6 +161,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             num_requests_refused=status["num_refused"],
             **self.loop.metrics.snapshot(),  # type: ignore[arg-type]
         )
+
+    async def SubscribeKvEvents(self, request: kv_events_pb2.SubscribeKvEventsRequest,
+                                context: grpc.aio.ServicerContext) -> AsyncIterator[kv_events_pb2.KvEventMessage]:
+        """The block manager's KV events, each with the pod's load; the caller needs a key wherever keys are set
+        (the public port's interceptor checks it before this; the local socket's callers are checked here)."""
+        self.serving.tenant(context.invocation_metadata())
+        if self.kv_events is None:
+            raise NotReady("this server relays no KV events")
+        loop = self.loop  # NotReady until the engine is up
+        async for message in self.kv_events.relay(lambda: _load(loop.status)):
+            yield message
+
+
+def _load(status: dict[str, Any]) -> kv_events_pb2.LoadReport:
+    stats = status["stats"]
+    return kv_events_pb2.LoadReport(num_running=status["num_running"], num_waiting=status["num_waiting"],
+                                    num_used_blocks=stats.num_used_blocks, num_total_blocks=stats.num_total_blocks)
 
 
 def _response(request_id: str, chunk: Chunk) -> pb.GenerateResponse:

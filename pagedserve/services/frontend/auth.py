@@ -6,15 +6,15 @@ health and reflection needs a listed key in `authorization: Bearer KEY` or `x-ap
 or is answered UNAUTHENTICATED. Without one, the server trusts its network: the tenant is whatever key
 the client sends, as an unchecked label (docs/reliability.md).
 
-The cache salt is keyed with a per-process secret over the tenant and an optional `x-cache-salt` the
-client sends: the client can split its own tenant's cache further, never reach another tenant's.
+The cache salt is keyed with a secret over the tenant and an optional `x-cache-salt` the client sends: the
+client can split its own tenant's cache further, never reach another tenant's (common/cache_salt.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +24,11 @@ import grpc.aio
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
-CACHE_SALT_HEADER = "x-cache-salt"
+from ..common.cache_salt import Metadata
+
 MIN_KEY_CHARS = 16  # a short key can be guessed; the file is refused rather than served
 # probes and tools must work without a key: these services say nothing about any tenant
 OPEN_SERVICES = (f"/{health_pb2.DESCRIPTOR.services_by_name['Health'].full_name}/", f"/{reflection.SERVICE_NAME}/")
-Metadata = Iterable[tuple[str, str | bytes]] | None
 
 
 class KeysFileError(ValueError):
@@ -101,19 +101,6 @@ def presented_key(metadata: Metadata) -> str:
     if scheme.lower() == "bearer" and credential.strip():
         return credential.strip()
     return headers.get("x-api-key", "").strip() or headers.get("authorization", "").strip()
-
-
-def client_salt(metadata: Metadata) -> str:
-    return next((_text(v) for k, v in metadata or () if k.lower() == CACHE_SALT_HEADER), "")
-
-
-def tenant_salt(secret: bytes, tenant: str, salt: str) -> bytes:
-    """The cache salt of (tenant, client salt), keyed with the process's secret; b"" when both are empty
-    (the anonymous namespace). Length-prefixed, so no (tenant, salt) pair can spell another's."""
-    if not tenant and not salt:
-        return b""
-    data = len(tenant.encode()).to_bytes(4, "big") + tenant.encode() + salt.encode()
-    return hashlib.blake2b(data, key=secret, digest_size=16).digest()
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

@@ -18,23 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..block_manager.contract import BlockStats
-from ..block_manager.prefix_hash import cache_namespace
+from ..common.cache_identity import CacheIdentity
 from ..common.errors import ExceedsCapacity, InvalidRequest
 from ..common.kv_geometry import blocks_for
 from .ports import ExecutorPort, RunningStep
 from .request import GenerationParams, Request, StepOutput
 from .scheduler import PlannedStep, ScheduledStep, Scheduler
-
-
-@dataclass(frozen=True)
-class ModelIdentity:
-    """Everything that shapes the KV cache's contents, for the prefix-cache namespace."""
-
-    model_digest: str
-    tokenizer: str
-    chat_template: str
-    kv_dtype: str
-    adapter: str = ""
 
 
 @dataclass(frozen=True)
@@ -48,18 +37,16 @@ class EngineLimits:
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, executor: ExecutorPort, limits: EngineLimits, identity: ModelIdentity,
+    def __init__(self, scheduler: Scheduler, executor: ExecutorPort, limits: EngineLimits, identity: CacheIdentity,
                  overlap: bool = True):
+        """`identity`: what roots the cache namespace of every request (a router computes it alike: it reads the
+        pod's identity from ListModels)."""
+        if identity.block_size != limits.block_size:
+            raise ValueError(f"identity.block_size {identity.block_size} != limits.block_size {limits.block_size}")
         self.scheduler, self.executor, self.limits, self.identity = scheduler, executor, limits, identity
         self.overlap = overlap
         self.in_flight: list[tuple[ScheduledStep, RunningStep]] = []  # sent, not answered: oldest first
         self.undelivered: list[StepOutput] = []  # collected by a step that then failed (see take_undelivered)
-
-    def namespace(self, tenant_salt: bytes) -> bytes:
-        i = self.identity
-        return cache_namespace(model=i.model_digest, tokenizer=i.tokenizer, chat_template=i.chat_template,
-                               adapter=i.adapter, kv_dtype=i.kv_dtype, block_size=self.limits.block_size,
-                               tenant_salt=tenant_salt)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: GenerationParams, tenant_salt: bytes = b"",
@@ -78,7 +65,7 @@ class Engine:
         if self.scheduler.request(request_id) is not None:
             raise InvalidRequest(f"request_id: {request_id!r} is already running")
         seed = params.seed if params.seed is not None else secrets.randbits(62)
-        request = Request(request_id, list(prompt_token_ids), params, self.namespace(tenant_salt), seed,
+        request = Request(request_id, list(prompt_token_ids), params, self.identity.namespace(tenant_salt), seed,
                           self.limits.eos_token_ids, final_only=final_only)
         self.scheduler.add(request)
         return request

@@ -4,15 +4,15 @@ OpenAI-compatible HTTP API (http_api.py) serve one engine through one `Serving`.
 Text work happens here, on the event loop: tokenizing, the chat template, streaming detokenization and stop
 strings. Scheduling happens on the engine thread (engine_loop.py). A request whose caller goes away is aborted
 in the `finally` of `generate`: its blocks are freed at once. Who is calling (auth.py) decides the cache
-namespace and whose stream count (limits.py) a request takes; one `Serving` holds one per-process salt secret
-and one stream count, so a tenant's cache and its limit are the same through either door.
+namespace and whose stream count (limits.py) a request takes; one `Serving` holds one salt secret (the
+fleet's, from `--cache-salt-secret-file`, or a random one: common/cache_salt.py) and one stream count, so a
+tenant's cache and its limit are the same through either door.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import secrets
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,10 +21,11 @@ from itertools import chain
 from opentelemetry import trace
 from transformers import PreTrainedTokenizerFast
 
+from ..common.cache_salt import Metadata, client_salt, load_secret, tenant_salt
 from ..common.errors import InvalidRequest, NotReady, Unauthenticated, UnknownModel
 from ..executor.model.tokenizer import render_chat
 from ..executor.step_types import ExecutorInfo
-from .auth import UNAUTHENTICATED, ApiKeys, Metadata, client_salt, presented_key, tenant_salt
+from .auth import UNAUTHENTICATED, ApiKeys, presented_key
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .engine_loop import EngineLoop, Event
 from .limits import ApiLimits, StreamCounter
@@ -93,9 +94,10 @@ class Serving:
     """The state both front doors share: the backend once the stack is up (NotReady before), the callers' keys,
     the limits, the streams in flight per tenant and the secret of the tenants' cache salts."""
 
-    def __init__(self, keys: ApiKeys | None = None, limits: ApiLimits | None = None) -> None:
+    def __init__(self, keys: ApiKeys | None = None, limits: ApiLimits | None = None,
+                 salt_secret: bytes | None = None) -> None:
         self._backend: Backend | None = None
-        self._tenant_secret = secrets.token_bytes(32)
+        self._tenant_secret = salt_secret if salt_secret is not None else load_secret(None)
         self.keys = keys
         self.limits = limits or ApiLimits()
         self.streams = StreamCounter(self.limits.max_streams_per_tenant)
@@ -131,7 +133,11 @@ class Serving:
         """Holds one of the caller's streams (limits.py) for the block, however it ends; gives its cache salt."""
         tenant = self.tenant(metadata)
         with self.streams.hold(tenant):
-            yield tenant_salt(self._tenant_secret, tenant, client_salt(metadata))
+            yield self.salt(tenant, metadata)
+
+    def salt(self, tenant: str, metadata: Metadata) -> bytes:
+        """The cache salt of the tenant's call (its `x-cache-salt` header in metadata)."""
+        return tenant_salt(self._tenant_secret, tenant, client_salt(metadata))
 
     # ---- prompts -------------------------------------------------------------------------------------
 

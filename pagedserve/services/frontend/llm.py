@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..block_manager.manager import BlockManager
+from ..common.cache_identity import CacheIdentity
 from ..common.processes import ServiceProcess, start_service, stop_service
 from ..executor.client import RemoteExecutor
 from ..executor.model.registry import resolve_model
 from ..executor.model.tokenizer import load_tokenizer, render_chat
 from ..executor.options import ExecutorConfig
 from ..executor.step_types import ExecutorInfo
-from .engine import Engine, EngineLimits, ModelIdentity
+from .engine import Engine, EngineLimits
 from .ports import ExecutorPort, LocalBlockManager, LocalExecutor
 from .request import FinishReason, GenerationParams, Request
 from .scheduler import Scheduler, SchedulerConfig, shares_kv
@@ -99,8 +100,8 @@ class LLM:
         )
         eos = frozenset(info.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
         limits = EngineLimits(info.vocab_size, info.max_model_len, info.num_blocks, info.block_size, eos)
-        identity = ModelIdentity(info.model_digest, self.tokenizer.name_or_path or source.name,
-                                 self.tokenizer.chat_template or "", info.cache_dtype)
+        identity = CacheIdentity(info.model_digest, self.tokenizer.name_or_path or source.name,
+                                 self.tokenizer.chat_template or "", info.cache_dtype, info.block_size)
         self.engine = Engine(scheduler, port, limits, identity, overlap)
         self._ids = itertools.count()
 

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 
 import grpc
 
+from ..common.cache_salt import load_secret
 from ..common.tls import server_credentials
 from .auth import ApiKeys
 from .limits import ApiLimits
 
 MiB = 1 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 4 * MiB  # gRPC's own default: a prompt at a 128k context is well under 1 MiB
-PATH_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "api_keys_file")
+PATH_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "api_keys_file", "cache_salt_secret_file")
 LIMIT_FLAGS = ("max_prompt_tokens", "max_new_tokens", "max_n", "max_streams_per_tenant", "max_message_bytes")
 
 
@@ -42,6 +43,10 @@ def add_public_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-keys-file", metavar="FILE",
                        help="`KEY TENANT` per line: calls need a listed key, and the tenant owns its prefix cache "
                             "(without it every caller is trusted: only on a network you trust)")
+    group.add_argument("--cache-salt-secret-file", metavar="FILE",
+                       help="the fleet's key of the tenants' cache salts (at least 32 bytes, the same file on every "
+                            "pod and router, so a router can predict keyed tenants' prefix hits); without it a "
+                            "random secret per process")
     group.add_argument("--max-prompt-tokens", type=positive_int, help="longest prompt (default: the context)")
     group.add_argument("--max-new-tokens", type=positive_int, help="largest max_tokens (default: the context)")
     group.add_argument("--max-n", type=positive_int, default=16, help="most parallel samples per request")
@@ -67,11 +72,13 @@ class PublicSettings:
     keys: ApiKeys | None
     limits: ApiLimits
     max_message_bytes: int
+    cache_salt_secret: bytes
 
 
 def load_public_settings(args: argparse.Namespace) -> PublicSettings:
-    """Reads the certificate and keys files; raises ValueError (TlsConfigError, KeysFileError) naming the flag."""
+    """Reads the certificate, keys and salt secret files; raises ValueError (TlsConfigError, KeysFileError,
+    CacheSaltSecretError) naming the flag."""
     credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     keys = ApiKeys.load(args.api_keys_file) if args.api_keys_file else None
     limits = ApiLimits(args.max_prompt_tokens, args.max_new_tokens, args.max_n, args.max_streams_per_tenant)
-    return PublicSettings(credentials, keys, limits, args.max_message_bytes)
+    return PublicSettings(credentials, keys, limits, args.max_message_bytes, load_secret(args.cache_salt_secret_file))

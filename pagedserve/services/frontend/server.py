@@ -19,6 +19,8 @@ from ...protos import inference_pb2 as pb
 from ...protos import inference_pb2_grpc as pb_grpc
 from ..block_manager.client import RemoteBlockManager
 from ..common.addresses import is_local_address
+from ..common.cache_identity import CacheIdentity
+from ..common.cache_salt import CacheSaltSecretError
 from ..common.grpc_server import GrpcService, Listener, run, serve_until_signalled
 from ..common.http_server import HttpService, HttpTls, parse_listen
 from ..common.processes import wait_serving
@@ -28,11 +30,12 @@ from ..executor.model.registry import ModelSource, resolve_model
 from ..executor.model.tokenizer import load_tokenizer
 from .api import InferenceServicer
 from .auth import ApiKeyInterceptor, KeysFileError
-from .engine import Engine, EngineLimits, ModelIdentity
+from .engine import Engine, EngineLimits
 from .engine_loop import EngineLoop
 from .exporter import start_exporter
 from .generation import Backend, Serving
 from .http_api import build_app
+from .kv_relay import KvEventRelay
 from .metrics import ServingMetrics
 from .public_options import PublicSettings, add_public_arguments, load_public_settings, non_negative_int, positive_int
 from .recovery import CacheMismatch, Sidecars
@@ -105,8 +108,8 @@ def connect(args: argparse.Namespace, max_n: int, on_availability: Callable[[boo
     )
     eos = frozenset(info.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
     limits = EngineLimits(info.vocab_size, info.max_model_len, info.num_blocks, info.block_size, eos, max_n)
-    identity = ModelIdentity(info.model_digest, tokenizer.name_or_path or info.model, tokenizer.chat_template or "",
-                             info.cache_dtype)
+    identity = CacheIdentity(info.model_digest, tokenizer.name_or_path or info.model, tokenizer.chat_template or "",
+                             info.cache_dtype, info.block_size)
     metrics = ServingMetrics(args.ttft_slo_ms, args.tpot_slo_ms)
     loop = EngineLoop(Engine(scheduler, executor, limits, identity, args.overlap), metrics, args.max_waiting_requests,
                       sidecars, args.recovery_timeout, on_availability, args.stream_interval)
@@ -146,10 +149,12 @@ async def serve(args: argparse.Namespace, settings: PublicSettings) -> None:
     service = GrpcService(args.listen, [SERVICE_NAME], interceptors, settings.credentials, settings.max_message_bytes)
     # the supervisor's socket: plain, without the interceptor (the servicer still wants a key to generate)
     local = [GrpcService(args.local_listen, [SERVICE_NAME])] if args.local_listen else []
-    serving = Serving(settings.keys, settings.limits)  # one engine, one cache salt secret, one stream count
-    servicer = InferenceServicer(serving=serving)
+    serving = Serving(settings.keys, settings.limits, settings.cache_salt_secret)  # one engine, salt secret, count
+    relay = KvEventRelay(args.block_manager)
+    servicer = InferenceServicer(serving=serving, kv_events=relay)
     for each in (service, *local):
         pb_grpc.add_InferenceServicer_to_server(servicer, each.server)
+    service.on_stop.append(relay.close)  # the relayed event streams never end by themselves
     http: list[Listener] = []
     if args.http_listen:  # answers 503 until the warm-up attaches the engine
         tls = HttpTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
@@ -189,7 +194,7 @@ def main(args: argparse.Namespace) -> None:
             raise SystemExit(f"frontend: --http-listen {exc}") from None
     try:
         settings = load_public_settings(args)
-    except (TlsConfigError, KeysFileError) as exc:
+    except (TlsConfigError, KeysFileError, CacheSaltSecretError) as exc:
         raise SystemExit(f"frontend: {exc}") from None
     try:
         run(serve(args, settings), "frontend")

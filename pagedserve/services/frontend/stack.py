@@ -26,6 +26,7 @@ import grpc
 
 from ...protos import inference_pb2 as pb
 from ...protos import inference_pb2_grpc as pb_grpc
+from ..common.cache_salt import CacheSaltSecretError
 from ..common.processes import ServiceProcess, start_service, stop_service, wait_serving
 from ..common.tls import TlsConfigError
 from ..executor.client import RemoteExecutor
@@ -163,7 +164,7 @@ class Stack:
 def main(args: argparse.Namespace) -> None:
     try:  # the frontend would refuse them too, but only after the model has loaded
         load_public_settings(args)
-    except (TlsConfigError, KeysFileError) as exc:
+    except (TlsConfigError, KeysFileError, CacheSaltSecretError) as exc:
         raise SystemExit(f"pagedserve: {exc}") from None
     if args.preemption_mode == "swap" and args.cpu_swap_mib == 0:
         raise SystemExit(f"pagedserve: {SWAP_WITHOUT_POOL}")

@@ -92,11 +92,14 @@ class PodIndex:
 
     def apply_batch(self, pod: str, batch: KvEventBatch, now: float) -> bool:
         """Applies the next batch, or ignores a duplicate or heartbeat (both confirm the view). False when the
-        view is out of sync, already or through this batch's gap: the caller must resubscribe for a snapshot."""
+        view is out of sync, already or through this batch's gap: the caller must resubscribe for a snapshot. A
+        heartbeat carries the sequence of the publisher's last batch, so one ahead of the view is a gap too (the
+        batch it names was lost), even at sequence + 1."""
         view = self._view(pod)
         if not view.in_sync:
             return False
-        if batch.epoch != view.epoch or batch.sequence > view.sequence + 1:
+        heartbeat_ahead = not batch.events and batch.sequence > view.sequence  # it names a batch we never had
+        if batch.epoch != view.epoch or batch.sequence > view.sequence + 1 or heartbeat_ahead:
             self.mark_out_of_sync(pod)
             return False
         view.heard_at = now

@@ -1,0 +1,160 @@
+"""`pagedserve router`: the fleet's front door, forwarding each request to the pod that suits it (docs/routing.md).
+
+Its own process, without torch (it loads the model's tokenizer only, to hash prompts). It starts listening at once
+(health NOT_SERVING, requests answered UNAVAILABLE naming why no pod can take them), starts one watcher per pod
+(watcher.py), and reports SERVING while at least one pod is in sync (fleet.py), NOT_SERVING again while none is.
+
+The tokenizer is `--model`'s, or else the model the first accepted pod names (when this machine resolves the name).
+Either way it is used only once it is known to be the fleet's (the weights digest and chat template of the fleet's
+cache identity): a router hashing with another tokenizer would predict hits the pods never have, so until then,
+and after a mismatch, requests are routed by load alone (request_blocks.UNKNOWN) and the mismatch is logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from transformers import PreTrainedTokenizerFast
+
+from ...protos import inference_pb2 as pb
+from ...protos import inference_pb2_grpc as pb_grpc
+from ..common.cache_salt import CacheSaltSecretError
+from ..common.grpc_server import GrpcService, run, serve_until_signalled
+from ..common.tls import TlsConfigError
+from ..executor.model.registry import ModelSource, resolve_model
+from ..executor.model.tokenizer import load_tokenizer
+from ..frontend.auth import ApiKeyInterceptor, KeysFileError
+from .choice import Chooser
+from .fleet import Fleet
+from .options import RouterConfigError, RouterSettings, add_arguments, load_settings
+from .request_blocks import RequestHasher
+from .servicer import RouterServicer
+from .telemetry import RouterMetrics
+from .upstream import PodChannels
+from .watcher import PodWatcher
+
+__all__ = ["add_arguments", "main"]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+log = logging.getLogger(__name__)
+
+
+class FleetService(GrpcService):
+    """Health follows the fleet once warm: SERVING while a pod is routable, NOT_SERVING while none is."""
+
+    available = False
+    _warm = False
+
+    async def mark_serving(self) -> None:
+        self._warm = True
+        await self.follow(self.available)
+
+    async def follow(self, available: bool) -> None:
+        self.available = available
+        if self._warm:
+            await (super().mark_serving() if available else self.mark_not_serving())
+
+
+class TokenizerAdoption:
+    """The tokenizer, handed to the hasher once it is the fleet's (see the module's docstring)."""
+
+    def __init__(self, hasher: RequestHasher, fleet: Fleet, model: str = "") -> None:
+        self.hasher, self.fleet, self.model = hasher, fleet, model
+        self.loaded: tuple[ModelSource, PreTrainedTokenizerFast] | None = None
+        self._judged = False  # adopted or refused: said once
+
+    async def load(self, *candidates: str) -> None:
+        """Loads the first candidate this machine resolves (a registered name, a directory, a GGUF file)."""
+        errors = []
+        for model in candidates:
+            try:
+                source = await asyncio.to_thread(resolve_model, model)
+                self.loaded = (source, await asyncio.to_thread(load_tokenizer, source))
+                break
+            except (OSError, ValueError) as exc:
+                errors.append(f"{model!r}: {exc}")
+        else:
+            log.error("cannot load a tokenizer (%s): routing by load alone", "; ".join(errors))
+            return
+        self.adopt()
+
+    def on_model(self, pod: str, model: pb.ModelInfo) -> None:
+        """A pod was accepted: learn the tokenizer from it if none is given, or check the one loaded."""
+        if not self.model:
+            # the model's name when it is a registered one, else the tokenizer's path on the pod (a directory)
+            candidates = [name for name in (model.name, model.cache_identity.tokenizer) if name]
+            self.model = candidates[0] if candidates else "?"
+            log.info("no --model: loading the tokenizer of %s, which %s serves", " or ".join(candidates), pod)
+            _soon(self.load(*candidates))
+        self.adopt()
+
+    def adopt(self) -> None:
+        identity = self.fleet.identity
+        if self.loaded is None or identity is None or self._judged:
+            return
+        self._judged = True
+        source, tokenizer = self.loaded
+        if source.digest != identity.model_digest:
+            log.error("the tokenizer's model %s (%s) is not the fleet's (%s): routing by load alone", source.name,
+                      source.digest, identity.model_digest)
+        elif (tokenizer.chat_template or "") != identity.chat_template:
+            log.error("the tokenizer's chat template is not the fleet's: routing by load alone")
+        else:
+            self.hasher.tokenizer = tokenizer
+            log.info("hashing prompts with the tokenizer of %s", source.name)
+
+
+async def serve(args: argparse.Namespace, settings: RouterSettings) -> None:
+    interceptors = [ApiKeyInterceptor(settings.keys)] if settings.keys is not None else []
+    service = FleetService(args.listen, [SERVICE_NAME], interceptors, settings.credentials, settings.max_message_bytes)
+    fleet = Fleet(args.endpoints, Chooser(args.policy),
+                  on_availability=lambda available: _soon(service.follow(available)))
+    channels = PodChannels(args.endpoints, settings.pod_credentials)
+    hasher = RequestHasher(settings.keys, settings.cache_salt_secret)
+    metrics = RouterMetrics(fleet)
+    tokenizer = TokenizerAdoption(hasher, fleet, args.model)
+    pb_grpc.add_InferenceServicer_to_server(RouterServicer(fleet, channels, hasher, metrics), service.server)
+    watchers = [PodWatcher(fleet, address, channels.stubs[address], settings.pod_metadata, tokenizer.on_model)
+                for address in args.endpoints]
+    tasks: list[asyncio.Task[None]] = []
+
+    async def warm_up() -> None:  # returns at once: health then follows the fleet
+        if args.model:
+            _soon(tokenizer.load(args.model))
+        tasks.extend(asyncio.ensure_future(watcher.run()) for watcher in watchers)
+
+    if not args.endpoints:
+        log.warning("no --endpoints: every request is answered UNAVAILABLE")
+    if settings.keys is not None and settings.cache_salt_secret is None:
+        log.warning("API keys without --cache-salt-secret-file: keyed tenants are routed by load alone")
+    if args.metrics_port:
+        host = args.listen.rpartition(":")[0].strip("[]") if not args.listen.startswith("unix:") else "127.0.0.1"
+        metrics.serve(host, args.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", host, args.metrics_port)
+    try:
+        await serve_until_signalled(service, warm_up=warm_up)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await channels.close()
+
+
+_background: set[asyncio.Task[None]] = set()  # held until done: the loop keeps only weak references to tasks
+
+
+def _soon(coroutine: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.ensure_future(coroutine)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+def main(args: argparse.Namespace) -> None:
+    try:
+        settings = load_settings(args)
+    except (TlsConfigError, KeysFileError, CacheSaltSecretError, RouterConfigError) as exc:
+        raise SystemExit(f"router: {exc}") from None
+    run(serve(args, settings), "router")
