@@ -28,6 +28,7 @@ BENCHMARKS = {
     "blocks": ("pagedserve.benchmarks.blocks", "block-manager utilization and step latency"),
     "cpu-attention": ("pagedserve.benchmarks.cpu_attention", "CPU decode attention: the C kernel vs the torch path"),
     "executor": ("pagedserve.benchmarks.executor", "generation throughput vs HF transformers generate()"),
+    "fleet": ("pagedserve.benchmarks.fleet", "routing policies over real pods behind the router, or simulated"),
     "host-step": ("pagedserve.benchmarks.host_step", "host CPU of a steady decode step per side, in process, no gRPC"),
     "kernels": ("pagedserve.benchmarks.kernels", "paged decode attention bandwidth and speed vs SDPA"),
     "layouts": ("pagedserve.benchmarks.layouts", "paged vs virtual-memory vs static KV layouts at one KV budget"),

@@ -23,7 +23,17 @@ import kopf
 from .kube import Kube, Obj
 from .policy import Decision, Observation, ScalingPolicy, decide
 from .scrape import PodMetrics, observe, scrape
-from .specs import API_GROUP, METRICS_PORT, build_deployment, build_service, selector_string
+from .specs import (
+    API_GROUP,
+    METRICS_PORT,
+    build_deployment,
+    build_pods_service,
+    build_router,
+    build_service,
+    router_enabled,
+    router_name,
+    selector_string,
+)
 
 MODELS = (API_GROUP, "pagedmodels")
 Logger = logging.Logger | logging.LoggerAdapter[Any]
@@ -77,7 +87,15 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
 async def apply_model(body: kopf.Body, memo: kopf.Memo, replicas: int) -> Obj:
     name, namespace, uid = body.metadata.name, body.metadata.namespace, body.metadata.uid
     assert name and namespace and uid, "a PagedModel without name, namespace or uid: not from the API server"
-    await memo.kube.apply(build_service(name, namespace, uid))
+    kube: Kube = memo.kube
+    await kube.apply(build_pods_service(name, namespace, uid))
+    if router_enabled(body.spec):
+        for manifest in build_router(name, namespace, uid, body.spec):
+            await kube.apply(manifest)
+    else:  # turned off: its objects go (the public Service below points at the pods again)
+        for kind in ("Deployment", "RoleBinding", "Role", "ServiceAccount"):
+            await kube.delete(kind, router_name(name), namespace)
+    await kube.apply(build_service(name, namespace, uid, body.spec))
     return await memo.kube.apply(build_deployment(name, namespace, uid, body.spec, replicas, memo.grpc_probes))
 
 

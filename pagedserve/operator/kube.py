@@ -37,16 +37,20 @@ class Kube:
         self.apps = kubernetes.client.AppsV1Api(self.client)
         self.core = kubernetes.client.CoreV1Api(self.client)
         self.custom = kubernetes.client.CustomObjectsApi(self.client)
+        self.rbac = kubernetes.client.RbacAuthorizationV1Api(self.client)
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Obj:
         result = await asyncio.to_thread(fn, *args, **kwargs)
         return result if isinstance(result, dict) else self.client.sanitize_for_serialization(result)
 
     async def apply(self, manifest: Obj) -> Obj:
-        """Server-side apply of a Deployment or a Service we own (force: our fields are ours)."""
+        """Server-side apply of an object we own (force: our fields are ours)."""
         meta = manifest["metadata"]
         patch = {"Deployment": self.apps.patch_namespaced_deployment,
-                 "Service": self.core.patch_namespaced_service}[manifest["kind"]]
+                 "Service": self.core.patch_namespaced_service,
+                 "ServiceAccount": self.core.patch_namespaced_service_account,
+                 "Role": self.rbac.patch_namespaced_role,
+                 "RoleBinding": self.rbac.patch_namespaced_role_binding}[manifest["kind"]]
         def call() -> Any:
             return patch(meta["name"], meta["namespace"], manifest, field_manager=FIELD_MANAGER, force=True,
                          _content_type=APPLY)
@@ -57,6 +61,20 @@ class Kube:
             if exc.status != 409:
                 raise
             return await self._call(call)
+
+    async def delete(self, kind: str, name: str, namespace: str) -> bool:
+        """Deletes an object we own if it exists (True when it did)."""
+        delete = {"Deployment": self.apps.delete_namespaced_deployment,
+                  "ServiceAccount": self.core.delete_namespaced_service_account,
+                  "Role": self.rbac.delete_namespaced_role,
+                  "RoleBinding": self.rbac.delete_namespaced_role_binding}[kind]
+        try:
+            await self._call(delete, name, namespace)
+            return True
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            return False
 
     async def has_grpc_probes(self) -> bool:
         """gRPC container probes are on by default from Kubernetes 1.24 (beta; GA in 1.27)."""

@@ -1,4 +1,4 @@
-"""Pure builders of the objects a PagedModel owns: its Deployment and its Service.
+"""Pure builders of the objects a PagedModel owns: its Deployment, its Services, and its router.
 
 No kopf or kubernetes imports: a spec (the PagedModel's `spec`, as the API server stores it with the
 schema's defaults) goes in, plain manifests come out, so they are unit-tested without a cluster and the
@@ -10,6 +10,12 @@ handlers only apply them. The pod runs three containers that talk over unix sock
                    with /readyz and /healthz (:9400)
 
 Every container runs as a non-root user on a read-only root filesystem; scratch space is an emptyDir.
+
+With `spec.router.enabled` (the default) the model's public Service NAME points at `pagedserve router` pods
+(Deployment NAME-router, docs/routing.md), which spread each *request* over the model's pods; the routers find the
+pods through the EndpointSlices of the pods' own headless Service NAME-pods, with a ServiceAccount whose Role
+allows get/list/watch on endpointslices in the namespace and nothing else. Without the router, NAME points at the
+pods as before (and NAME-pods exists all the same: one address per pod, for whoever wants them).
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ def labels(name: str) -> dict[str, str]:
     return {**selector(name), "app.kubernetes.io/managed-by": FIELD_MANAGER}
 
 
-def selector(name: str) -> dict[str, str]:
-    # the component keeps a model's pods apart from the operator's, whose instance label may be the same name
+def selector(name: str, component: str = "model") -> dict[str, str]:
+    # the component keeps a model's pods apart from its routers' and the operator's (whose instance label may be
+    # the same name)
     return {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/instance": name,
-            "app.kubernetes.io/component": "model"}
+            "app.kubernetes.io/component": component}
 
 
 def selector_string(name: str) -> str:
@@ -50,20 +57,127 @@ def owner_reference(name: str, uid: str) -> Manifest:
             "controller": True, "blockOwnerDeletion": True}
 
 
-def _metadata(name: str, namespace: str, uid: str) -> Manifest:
-    return {"name": name, "namespace": namespace, "labels": labels(name),
+def _metadata(name: str, namespace: str, uid: str, own_name: str = "", component: str = "model") -> Manifest:
+    """An owned object's metadata: named `own_name` (default the model's), labelled as the model's `component`."""
+    return {"name": own_name or name, "namespace": namespace,
+            "labels": {**selector(name, component), "app.kubernetes.io/managed-by": FIELD_MANAGER},
             "ownerReferences": [owner_reference(name, uid)]}
 
 
-def build_service(name: str, namespace: str, uid: str) -> Manifest:
-    return {
-        "apiVersion": "v1", "kind": "Service", "metadata": _metadata(name, namespace, uid),
-        "spec": {"type": "ClusterIP", "selector": selector(name), "ports": [
-            {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
-            {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
-            {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
-        ]},
+def _port(name: str, port: int) -> Manifest:
+    return {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+
+
+def router_enabled(spec: Mapping[str, Any]) -> bool:
+    return bool((spec.get("router") or {}).get("enabled", True))
+
+
+def pods_service_name(name: str) -> str:
+    return f"{name}-pods"
+
+
+def router_name(name: str) -> str:
+    """The router's Deployment, ServiceAccount, Role and RoleBinding."""
+    return f"{name}-router"
+
+
+def build_service(name: str, namespace: str, uid: str, spec: Mapping[str, Any] | None = None) -> Manifest:
+    """The model's public Service: its routers (gRPC and their /metrics), or its pods when the router is off."""
+    if spec is not None and router_enabled(spec):
+        target, ports = selector(name, "router"), [_port("grpc", GRPC_PORT), _port("metrics", METRICS_PORT)]
+    else:
+        target = selector(name)
+        ports = [_port("grpc", GRPC_PORT), _port("http", HTTP_PORT), _port("metrics", METRICS_PORT)]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(name, namespace, uid),
+            "spec": {"type": "ClusterIP", "selector": target, "ports": ports}}
+
+
+def build_pods_service(name: str, namespace: str, uid: str) -> Manifest:
+    """The pods' headless Service: no virtual IP, one address per pod in its EndpointSlices (which the routers
+    follow: the `grpc` port by name) and in DNS."""
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(name, namespace, uid, pods_service_name(name)),
+            "spec": {"clusterIP": "None", "selector": selector(name), "publishNotReadyAddresses": False,
+                     "ports": [_port("grpc", GRPC_PORT), _port("http", HTTP_PORT), _port("metrics", METRICS_PORT)]}}
+
+
+# what the router may do, and all it may do: follow its pods' EndpointSlices in its own namespace
+ROUTER_RULES: list[Manifest] = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                                 "verbs": ["get", "list", "watch"]}]
+
+
+def build_router(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> list[Manifest]:
+    """The router's ServiceAccount, Role, RoleBinding and Deployment, in the order they are applied (the account
+    and its rights before the pods that use them)."""
+    own = router_name(name)
+    account = {"apiVersion": "v1", "kind": "ServiceAccount",
+               "metadata": _metadata(name, namespace, uid, own, "router"), "automountServiceAccountToken": False}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": _metadata(name, namespace, uid, own, "router"), "rules": ROUTER_RULES}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": _metadata(name, namespace, uid, own, "router"),
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": own},
+               "subjects": [{"kind": "ServiceAccount", "name": own, "namespace": namespace}]}
+    return [account, role, binding, build_router_deployment(name, namespace, uid, spec)]
+
+
+def build_router_deployment(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> Manifest:
+    router = spec.get("router") or {}
+    volumes: list[Manifest] = [{"name": "scratch", "emptyDir": {}}]
+    mounts: list[Manifest] = [{"name": "scratch", "mountPath": SCRATCH_DIR}]
+    model_volume, model_mounts = _model_volume(spec)
+    args = ["router", "--listen", f"0.0.0.0:{GRPC_PORT}", "--metrics-port", str(METRICS_PORT),
+            "--kubernetes-service", pods_service_name(name), "--namespace", namespace,
+            "--policy", str(router.get("policy", "kv-aware")),
+            "--model", spec["model"]]  # the tokenizer it hashes prompts with (checked against the pods' identity)
+    resources = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
+    container = {
+        **_container("router", args, spec, mounts + model_mounts, resources),
+        "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+        # ready while a pod is in sync (gRPC health SERVING); alive while it listens: a router with no pod to
+        # route to is not broken, and restarting it would not bring one. 0.0.0.0: the router's own listener
+        "startupProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 1, "failureThreshold": 120},
+        "readinessProbe": {"exec": {"command": ["pagedserve", "health", f"0.0.0.0:{GRPC_PORT}"]},
+                           "timeoutSeconds": 5, "periodSeconds": 2, "failureThreshold": 2},
+        "livenessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 20, "failureThreshold": 3},
     }
+    pod_spec: Manifest = {
+        "serviceAccountName": router_name(name),
+        "automountServiceAccountToken": True,  # the router reads EndpointSlices, and only those (its Role)
+        "containers": [container],
+        "volumes": volumes + ([model_volume] if model_volume else []),
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+    }
+    for key in ("imagePullSecrets", "priorityClassName"):  # not the GPU pool's placement: the router needs none
+        if spec.get(key):
+            pod_spec[key] = spec[key]
+    labels_ = {**selector(name, "router"), "app.kubernetes.io/managed-by": FIELD_MANAGER}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _metadata(name, namespace, uid, router_name(name), "router"),
+        "spec": {
+            "replicas": int(router.get("replicas", 1)),
+            "selector": {"matchLabels": selector(name, "router")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": labels_}, "spec": pod_spec},
+        },
+    }
+
+
+def _model_volume(spec: Mapping[str, Any]) -> tuple[Manifest | None, list[Manifest]]:
+    """The weights' volume and its read-only mount, when the spec names one."""
+    model_volume = spec.get("modelVolume")
+    if not model_volume:
+        return None, []
+    source = ({"persistentVolumeClaim": {"claimName": model_volume["persistentVolumeClaim"]["claimName"],
+                                         "readOnly": True}}
+              if "persistentVolumeClaim" in model_volume
+              else {"hostPath": {"path": model_volume["hostPath"]["path"], "type": "Directory"}})
+    return ({"name": "model", **source},
+            [{"name": "model", "mountPath": model_volume.get("mountPath", "/models"), "readOnly": True}])
 
 
 def build_deployment(name: str, namespace: str, uid: str, spec: Mapping[str, Any], replicas: int,
@@ -84,17 +198,11 @@ def build_deployment(name: str, namespace: str, uid: str, spec: Mapping[str, Any
 
 
 def build_pod_template(name: str, spec: Mapping[str, Any], grpc_probes: bool = False) -> Manifest:
-    model_volume = spec.get("modelVolume")
     volumes: list[Manifest] = [{"name": "run", "emptyDir": {}}, {"name": "scratch", "emptyDir": {}}]
     mounts: list[Manifest] = [{"name": "run", "mountPath": RUN_DIR}, {"name": "scratch", "mountPath": SCRATCH_DIR}]
-    model_mounts: list[Manifest] = []
+    model_volume, model_mounts = _model_volume(spec)
     if model_volume:
-        source = ({"persistentVolumeClaim": {"claimName": model_volume["persistentVolumeClaim"]["claimName"],
-                                             "readOnly": True}}
-                  if "persistentVolumeClaim" in model_volume
-                  else {"hostPath": {"path": model_volume["hostPath"]["path"], "type": "Directory"}})
-        volumes.append({"name": "model", **source})
-        model_mounts = [{"name": "model", "mountPath": model_volume.get("mountPath", "/models"), "readOnly": True}]
+        volumes.append(model_volume)
     containers = [_executor(spec, mounts + model_mounts), _block_manager(spec, mounts),
                   _frontend(spec, mounts + model_mounts, grpc_probes)]
     pod_spec: Manifest = {

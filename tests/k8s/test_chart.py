@@ -42,7 +42,7 @@ VALUE_SETS: dict[str, Obj] = {
         "executorResources": {"requests": {"cpu": "8", "memory": "64Gi"}},
         "modelVolume": {"mountPath": "/models", "persistentVolumeClaim": {"claimName": "weights"}},
         "model": "/models/SmolLM2-135M-Instruct.Q4_1.gguf"}, "imagePullSecrets": [{"name": "registry"}]},
-    "autoscaling-off": {"model": {"replicas": 3, "autoscaling": {"enabled": False}},
+    "autoscaling-off": {"model": {"replicas": 3, "autoscaling": {"enabled": False}, "router": {"enabled": False}},
                         "autoscalingPolicy": {"create": False, "name": "shared"}},
     "monitoring-on": {"monitoring": {"podMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
                       "otlp": {"endpoint": "http://otel-collector:4317"}},
@@ -114,6 +114,23 @@ def test_gpu_scheduling_values_reach_the_model_and_hardening_the_operator(tmp_pa
         assert "nvidia.com/gpu" not in json.dumps(container["resources"])
 
 
+def test_router_values_reach_the_model_and_the_notes_say_where_each_api_is(crds: None, tmp_path: Path) -> None:
+    (model,) = [d for d in render(tmp_path, {}) if d["kind"] == "PagedModel"]
+    assert model["spec"]["router"] == {"enabled": True, "replicas": 1, "policy": "kv-aware"}  # on by default
+    values = {"model": {"router": {"replicas": 2, "policy": "least-load"}}}
+    (model,) = [d for d in render(tmp_path, values) if d["kind"] == "PagedModel"]
+    assert model["spec"]["router"] == {"enabled": True, "replicas": 2, "policy": "least-load"}
+    notes = helm("install", "rel", str(CHART), "--dry-run", "--namespace", "chart-test",
+                 "-f", values_file(tmp_path, values)).stdout
+    assert "port-forward svc/rel-pagedserve 50051:50051\n" in notes and "svc/rel-pagedserve-pods 8000:8000" in notes
+    off = {"model": {"router": {"enabled": False}}}
+    (model,) = [d for d in render(tmp_path, off) if d["kind"] == "PagedModel"]
+    assert model["spec"]["router"]["enabled"] is False
+    notes = helm("install", "rel", str(CHART), "--dry-run", "--namespace", "chart-test",
+                 "-f", values_file(tmp_path, off)).stdout
+    assert "port-forward svc/rel-pagedserve 50051:50051 8000:8000" in notes and "-pods" not in notes
+
+
 def test_monitoring_renders_only_where_the_cluster_has_the_api(tmp_path: Path) -> None:
     values = VALUE_SETS["monitoring-on"]
     without = {d["kind"] for d in render(tmp_path, values)}
@@ -137,6 +154,8 @@ def test_monitoring_renders_only_where_the_cluster_has_the_api(tmp_path: Path) -
     ({"model": {"modelVolume": {"hostPath": {"path": "/w"}, "persistentVolumeClaim": {"claimName": "c"}}}},
      "/model/modelVolume"),
     ({"otlp": {"endpoint": "otel:4317"}}, "/otlp/endpoint"),
+    ({"model": {"router": {"policy": "fastest"}}}, "/model/router/policy"),
+    ({"model": {"router": {"replicas": 0}}}, "/model/router/replicas"),
 ])
 def test_wrong_values_fail_at_install_with_the_field_named(values: Obj, message: str, tmp_path: Path) -> None:
     result = helm("template", "rel", str(CHART), "-f", values_file(tmp_path, values), check=False)

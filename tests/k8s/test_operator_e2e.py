@@ -189,6 +189,8 @@ def test_invalid_resources_are_refused_by_the_api_server(scenario: Scenario) -> 
          "spec.autoscaling.policyRef: Required value"),
         ({"kind": "PagedModel", "spec": {"model": "m", "modelVolume": {
             "hostPath": {"path": "/w"}, "persistentVolumeClaim": {"claimName": "c"}}}}, "spec.modelVolume"),
+        ({"kind": "PagedModel", "spec": {"model": "m", "router": {"policy": "fastest"}}}, "spec.router.policy"),
+        ({"kind": "PagedModel", "spec": {"model": "m", "router": {"replicas": 17}}}, "spec.router.replicas"),
         ({"kind": "AutoscalingPolicy", "spec": {"targetBlockPressure": 1.5}}, "spec.targetBlockPressure"),
         ({"kind": "AutoscalingPolicy", "spec": {"scaleDown": {"maxPercent": 0}}}, "spec.scaleDown.maxPercent"),
         ({"kind": "AutoscalingPolicy", "spec": {"cooldownSeconds": -1}}, "spec.cooldownSeconds"),
@@ -209,7 +211,8 @@ def test_a_paged_model_creates_its_deployment_and_service_and_serves(scenario: S
         "spec": {"model": "/models/tiny", "modelVolume": {"mountPath": "/models/tiny",
                                                           "hostPath": {"path": str(scenario.model_dir)}},
                  "cache": {"blockSize": 4, "numBlocks": 64}, "scheduler": {"maxNumSeqs": 4},
-                 "autoscaling": {"policyRef": "fast", "minReplicas": 1, "maxReplicas": 2}}})
+                 "autoscaling": {"policyRef": "fast", "minReplicas": 1, "maxReplicas": 2},
+                 "router": {"enabled": False}}})  # the Service at the pods, as before the router: test_router_e2e.py
     model = scenario.model()
     deployment = wait_for(lambda: scenario.get("deployment", "tiny"), "the Deployment")
     service = wait_for(lambda: scenario.get("service", "tiny"), "the Service")

@@ -12,8 +12,12 @@ from pagedserve.cli import build_parser
 from pagedserve.operator.specs import (
     BLOCK_MANAGER_SOCKET,
     EXECUTOR_SOCKET,
+    ROUTER_RULES,
     build_deployment,
+    build_pods_service,
+    build_router,
     build_service,
+    selector,
     selector_string,
 )
 
@@ -123,8 +127,9 @@ def test_probes_check_each_container_where_it_listens() -> None:
     assert frontend["readinessProbe"]["grpc"] == {"port": 50051} and "httpGet" not in frontend["readinessProbe"]
     assert frontend["livenessProbe"]["httpGet"]["path"] == "/healthz"  # the engine thread: not in gRPC health
     assert all("exec" in c["readinessProbe"] for c in grpc if c["name"] != "frontend")  # unix sockets
-    service = build_service("llm", "ns", "uid-1")
-    assert {p["targetPort"] for p in service["spec"]["ports"]} == ports.keys() == {"grpc", "http", "metrics"}
+    for service in (build_service("llm", "ns", "uid-1", {"router": {"enabled": False}}),
+                    build_pods_service("llm", "ns", "uid-1")):
+        assert {p["targetPort"] for p in service["spec"]["ports"]} == ports.keys() == {"grpc", "http", "metrics"}
     assert ports["http"] == int(parsed(pods["frontend"]).http_listen.rsplit(":", 1)[1])  # listens where exposed
 
 
@@ -162,3 +167,105 @@ def test_the_crd_defaults_are_the_policy_defaults() -> None:
     assert defaults.keys() == {"targetBlockPressure", "targetSloAttainment", "metricsWindowSeconds", "tolerance",
                                "scaleUp", "scaleDown", "cooldownSeconds"}
     assert ScalingPolicy.from_spec(defaults) == ScalingPolicy()
+
+
+def router_objects(spec: dict[str, Any] = SPEC) -> dict[str, dict[str, Any]]:
+    return {o["kind"]: o for o in build_router("llm", "ns", "uid-1", spec)}
+
+
+def test_the_public_service_points_at_the_routers_and_the_pods_have_a_headless_service() -> None:
+    public = build_service("llm", "ns", "uid-1", {"model": "m"})  # router.enabled defaults to true
+    assert public["spec"]["selector"] == selector("llm", "router") and public["spec"]["type"] == "ClusterIP"
+    assert {p["name"]: p["port"] for p in public["spec"]["ports"]} == {"grpc": 50051, "metrics": 9400}
+    off = build_service("llm", "ns", "uid-1", {"model": "m", "router": {"enabled": False}})
+    assert off["spec"]["selector"] == selector("llm")  # as before the router: the pods
+    pods = build_pods_service("llm", "ns", "uid-1")
+    assert pods["metadata"]["name"] == "llm-pods" and pods["spec"]["clusterIP"] == "None"
+    assert pods["spec"]["selector"] == selector("llm")
+    assert pods["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    deployment_pods = build_deployment("llm", "ns", "uid-1", SPEC, 1)["spec"]["template"]["metadata"]["labels"]
+    router_pods = router_objects()["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    # each Service selects its own pods only: the routers never route to routers, the pods never get the public one
+    assert selector("llm").items() <= deployment_pods.items() and not selector("llm").items() <= router_pods.items()
+    assert selector("llm", "router").items() <= router_pods.items()
+    assert not selector("llm", "router").items() <= deployment_pods.items()
+
+
+def test_the_router_follows_the_pods_service_with_the_policy_asked_for() -> None:
+    spec = {**SPEC, "router": {"replicas": 3, "policy": "least-load"}}
+    deployment = router_objects(spec)["Deployment"]
+    assert deployment["metadata"]["name"] == "llm-router" and deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= (
+        deployment["spec"]["template"]["metadata"]["labels"].items())
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = parsed(container)
+    assert args.command == "router" and (args.kubernetes_service, args.namespace, args.policy) == (
+        "llm-pods", "ns", "least-load")
+    assert args.listen == "0.0.0.0:50051" and args.metrics_port == 9400 and args.endpoints == []
+    assert args.model == "/models/smollm2"
+    default = parsed(router_objects()["Deployment"]["spec"]["template"]["spec"]["containers"][0])
+    assert default.policy == "kv-aware" and router_objects()["Deployment"]["spec"]["replicas"] == 1
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": 50051, "metrics": 9400}
+
+
+def test_the_router_pod_is_hardened_gpu_free_and_probed_by_its_health() -> None:
+    pod = router_objects()["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["serviceAccountName"] == "llm-router" and pod["automountServiceAccountToken"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"]}}
+    assert "nvidia.com/gpu" not in container["resources"].get("limits", {}) and container["resources"]["requests"]
+    # the GPU pool's placement is the model pods', not the router's
+    assert not {"tolerations", "nodeSelector", "runtimeClassName", "topologySpreadConstraints"} & pod.keys()
+    probe = container["readinessProbe"]["exec"]["command"]
+    assert probe[:2] == ["pagedserve", "health"] and parsed({"command": ["pagedserve"], "args": probe[1:]}).address == (
+        "0.0.0.0:50051")
+    assert container["livenessProbe"]["tcpSocket"] == {"port": "grpc"}  # no pod to route to is not a broken router
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["model"]["readOnly"] is True and mounts["scratch"]["mountPath"] == "/scratch"  # its tokenizer
+
+
+def test_the_router_may_read_endpointslices_in_its_namespace_and_nothing_else() -> None:
+    objects = router_objects()
+    assert [o["kind"] for o in build_router("llm", "ns", "u", SPEC)] == [
+        "ServiceAccount", "Role", "RoleBinding", "Deployment"]  # the rights exist before the pods that use them
+    role, binding = objects["Role"], objects["RoleBinding"]
+    assert role["rules"] == ROUTER_RULES == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                                              "verbs": ["get", "list", "watch"]}]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "ns"  # a Role: one namespace
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llm-router"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llm-router", "namespace": "ns"}]
+    for owned in objects.values():
+        assert owned["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+
+def test_the_operator_holds_what_it_grants_the_router_and_may_manage_its_objects() -> None:
+    import yaml
+
+    role = yaml.safe_load((CRDS.parent / "files" / "rbac" / "operator-clusterrole.yaml").read_text())
+
+    def allowed(group: str, resource: str, verb: str) -> bool:
+        return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in role["rules"])
+
+    for rule in ROUTER_RULES:  # RBAC refuses a Role granting more than its creator holds
+        assert all(allowed(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"])
+    for group, resource in (("", "serviceaccounts"), ("rbac.authorization.k8s.io", "roles"),
+                            ("rbac.authorization.k8s.io", "rolebindings"), ("apps", "deployments")):
+        assert all(allowed(group, resource, verb) for verb in ("create", "patch", "delete")), resource
+    assert not allowed("rbac.authorization.k8s.io", "roles", "escalate")
+    assert not allowed("rbac.authorization.k8s.io", "roles", "bind")
+    assert not allowed("", "secrets", "get")
+
+
+def test_the_crd_bounds_and_defaults_of_the_router() -> None:
+    import yaml
+
+    crd = yaml.safe_load((CRDS / "pagedmodels.yaml").read_text())
+    router = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["router"]
+    assert schema_defaults(router) == {"enabled": True, "replicas": 1, "policy": "kv-aware"}
+    assert router["default"] == {}  # so that a model without `router` gets the defaults, the router included
+    from pagedserve.services.router.choice import POLICIES
+
+    assert router["properties"]["policy"]["enum"] == list(POLICIES)
+    assert (router["properties"]["replicas"]["minimum"], router["properties"]["replicas"]["maximum"]) == (1, 16)

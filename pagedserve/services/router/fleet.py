@@ -12,6 +12,9 @@ identity differs from the fleet's is `refused` with the fields named: the router
 and a request retried there would be answered by another model. The fleet is *available* (gRPC health SERVING)
 while at least one pod is routable.
 
+The pods are `--endpoints`, fixed, or Kubernetes' (endpoint_slices.py), which come and go: `add_pod`, `remove_pod`,
+and `drain` for a pod that is not ready or terminating (no new request goes there; those in flight finish).
+
 The fleet's identity is the first accepted pod's: pods are checked against it, not against each other.
 """
 
@@ -59,20 +62,23 @@ class PodRecord:
     model: str = ""
     load: LoadReport | None = None
     in_flight: dict[int, Ticket] = field(default_factory=dict)
+    draining: bool = False  # not ready or terminating (Kubernetes says): no new request
 
     @property
     def routable(self) -> bool:
-        return self.phase in (PodPhase.IN_SYNC, PodPhase.RESYNCING)
+        return self.phase in (PodPhase.IN_SYNC, PodPhase.RESYNCING) and not self.draining
 
 
 class Fleet:
     """`on_availability(bool)` is called when the fleet gains its first routable pod or loses its last one."""
 
     def __init__(self, addresses: Sequence[str], chooser: Chooser,
-                 on_availability: Callable[[bool], None] | None = None) -> None:
+                 on_availability: Callable[[bool], None] | None = None,
+                 no_pods: str = "the router has no endpoints (--endpoints is empty)") -> None:
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"endpoints must be distinct, got {list(addresses)}")
         self.chooser = chooser
+        self.no_pods = no_pods  # why no pod is known: the UNAVAILABLE message's reason
         self.index = PodIndex()
         self.pods = {address: PodRecord(address) for address in addresses}
         for address in addresses:
@@ -81,6 +87,31 @@ class Fleet:
         self._on_availability = on_availability
         self._available = False
         self._numbers = itertools.count(1)
+
+    # ---- the pods that come and go (endpoint_slices.py) ----------------------------------------------------
+
+    def add_pod(self, pod: str) -> bool:
+        """A new pod (True), or a known one taking requests again (False): routable once its watcher is in sync."""
+        record = self.pods.get(pod)
+        if record is not None:
+            self.drain(pod, False)
+            return False
+        self.pods[pod] = PodRecord(pod)
+        self.index.add_pod(pod)
+        return True
+
+    def drain(self, pod: str, draining: bool = True) -> None:
+        """No new request for the pod (or again, with False); its requests in flight are not touched."""
+        record = self.pods.get(pod)
+        if record is not None and record.draining != draining:
+            record.draining = draining
+            self._set(pod, record.phase, record.reason)
+
+    def remove_pod(self, pod: str) -> None:
+        """The pod left the fleet; its requests in flight end on their own (`finish` forgets them)."""
+        if self.pods.pop(pod, None) is not None:
+            self.index.remove_pod(pod)
+            self._notify()
 
     # ---- what the watchers report ----------------------------------------------------------------------
 
@@ -121,6 +152,8 @@ class Fleet:
 
     def down(self, pod: str, reason: str) -> None:
         """The pod's call failed (or its stream went silent): no request until it answers again."""
+        if pod not in self.pods:  # removed while its call failed
+            return
         self.index.mark_out_of_sync(pod)
         self._set(pod, PodPhase.DOWN, reason)
 
@@ -147,7 +180,9 @@ class Fleet:
         return ticket
 
     def finish(self, ticket: Ticket) -> None:
-        self.pods[ticket.pod].in_flight.pop(ticket.number, None)
+        record = self.pods.get(ticket.pod)  # None: the pod was removed meanwhile
+        if record is not None:
+            record.in_flight.pop(ticket.number, None)
 
     def in_flight(self, pod: str) -> InFlight:
         """This router's requests at the pod, and the part sent after its last load report (load.py)."""
@@ -161,11 +196,13 @@ class Fleet:
     def why_none(self, exclude: Collection[str] = ()) -> str:
         """Why no pod can take a request, naming each pod's state: the UNAVAILABLE message."""
         if not self.pods:
-            return f"{NO_POD}: the router has no endpoints (--endpoints is empty)"
+            return f"{NO_POD}: {self.no_pods}"
         parts = []
         for address, record in self.pods.items():
             if address in exclude:
                 parts.append(f"{address} failed this request")
+            elif record.draining:
+                parts.append(f"{address} draining (not ready or terminating)")
             elif record.phase == PodPhase.CONNECTING:
                 parts.append(f"{address} not in sync yet")
             else:
@@ -181,6 +218,9 @@ class Fleet:
     def _set(self, pod: str, phase: PodPhase, reason: str = "") -> None:
         record = self.pods[pod]
         record.phase, record.reason = phase, reason
+        self._notify()
+
+    def _notify(self) -> None:
         available = self.available
         if available != self._available:
             self._available = available

@@ -28,6 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus /metrics on this port, on --listen's host (0: off)")
     parser.add_argument("--endpoints", type=endpoint_list, default=[], metavar="ADDR,ADDR,...",
                         help="the pods' public gRPC addresses (everything else about a pod is learnt from the pod)")
+    parser.add_argument("--kubernetes-service", metavar="NAME", default="",
+                        help="instead of --endpoints: the pods behind this Service, followed through its "
+                             "EndpointSlices (ready pods join, not-ready and terminating ones drain, removed ones "
+                             "leave); credentials in-cluster or from $KUBECONFIG")
+    parser.add_argument("--namespace", default="",
+                        help="--kubernetes-service's namespace (default: the router pod's own, else $POD_NAMESPACE,"
+                             " else the kubeconfig context's)")
     parser.add_argument("--policy", choices=POLICIES, default="kv-aware",
                         help="how a pod is picked for a request (docs/routing.md)")
     parser.add_argument("--model", default="",
@@ -78,6 +85,10 @@ class RouterSettings:
 def load_settings(args: argparse.Namespace) -> RouterSettings:
     """Reads every file the flags name; raises ValueError (TlsConfigError, KeysFileError, CacheSaltSecretError,
     RouterConfigError) naming the flag."""
+    if args.endpoints and args.kubernetes_service:
+        raise RouterConfigError("--endpoints and --kubernetes-service: give one of them (the pods come from either)")
+    if args.namespace and not args.kubernetes_service:
+        raise RouterConfigError("--namespace is --kubernetes-service's: give that too")
     credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     keys = ApiKeys.load(args.api_keys_file) if args.api_keys_file else None
     secret = load_secret(args.cache_salt_secret_file) if args.cache_salt_secret_file else None

@@ -8,6 +8,10 @@ The tokenizer is `--model`'s, or else the model the first accepted pod names (wh
 Either way it is used only once it is known to be the fleet's (the weights digest and chat template of the fleet's
 cache identity): a router hashing with another tokenizer would predict hits the pods never have, so until then,
 and after a mismatch, requests are routed by load alone (request_blocks.UNKNOWN) and the mismatch is logged.
+
+The pods are `--endpoints`, or those of `--kubernetes-service` (endpoint_slices.py), which come and go at run time:
+`Members` keeps a channel and a watcher per pod, started when a pod appears and ended when it leaves (its channel
+closed after `DRAIN_GRACE_S`, so that the streams still on it finish).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from transformers import PreTrainedTokenizerFast
@@ -29,6 +33,7 @@ from ..executor.model.registry import ModelSource, resolve_model
 from ..executor.model.tokenizer import load_tokenizer
 from ..frontend.auth import ApiKeyInterceptor, KeysFileError
 from .choice import Chooser
+from .endpoint_slices import Endpoints, EndpointSliceWatcher, default_namespace
 from .fleet import Fleet
 from .options import RouterConfigError, RouterSettings, add_arguments, load_settings
 from .request_blocks import RequestHasher
@@ -40,6 +45,7 @@ from .watcher import PodWatcher
 __all__ = ["add_arguments", "main"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+DRAIN_GRACE_S = 600.0  # a removed pod's streams in flight: a long generation may take minutes
 log = logging.getLogger(__name__)
 
 
@@ -108,26 +114,72 @@ class TokenizerAdoption:
             log.info("hashing prompts with the tokenizer of %s", source.name)
 
 
+class Members:
+    """The fleet's pods at run time: a channel and a watcher each, started and ended as the endpoints change."""
+
+    def __init__(self, fleet: Fleet, channels: PodChannels, settings: RouterSettings,
+                 on_model: Callable[[str, pb.ModelInfo], None]) -> None:
+        self.fleet, self.channels, self.settings, self.on_model = fleet, channels, settings, on_model
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.draining: list[str] = []
+
+    def watch(self, address: str) -> None:
+        """Follows a pod of the fleet (its watcher makes it routable once in sync)."""
+        watcher = PodWatcher(self.fleet, address, self.channels.add(address), self.settings.pod_metadata,
+                             self.on_model)
+        self.tasks[address] = asyncio.ensure_future(watcher.run())
+
+    def update(self, endpoints: Endpoints) -> None:
+        """The endpoint set from Kubernetes: new pods followed, the not-accepting drained, the gone removed."""
+        added = [address for address in endpoints if address not in self.tasks]
+        for address, accepting in endpoints.items():
+            self.fleet.add_pod(address)
+            if address not in self.tasks:
+                self.watch(address)
+            self.fleet.drain(address, not accepting)
+        removed = [address for address in self.tasks if address not in endpoints]
+        for address in removed:
+            self.tasks.pop(address).cancel()  # before the fleet forgets it: the watcher never runs again
+            self.fleet.remove_pod(address)
+            _soon(self.channels.remove(address, DRAIN_GRACE_S))
+        draining = sorted(address for address, accepting in endpoints.items() if not accepting)
+        if added or removed or draining != self.draining:
+            log.info("pods: %d (added %s, removed %s, not ready or terminating %s)", len(endpoints),
+                     added or "none", removed or "none", draining or "none")
+        self.draining = draining
+
+    def close(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+
+
 async def serve(args: argparse.Namespace, settings: RouterSettings) -> None:
     interceptors = [ApiKeyInterceptor(settings.keys)] if settings.keys is not None else []
     service = FleetService(args.listen, [SERVICE_NAME], interceptors, settings.credentials, settings.max_message_bytes)
+    namespace = (args.namespace or default_namespace()) if args.kubernetes_service else ""
+    no_pods = (f"no pod behind Service {namespace}/{args.kubernetes_service} (its EndpointSlices list none)"
+               if args.kubernetes_service else "the router has no endpoints (--endpoints is empty)")
     fleet = Fleet(args.endpoints, Chooser(args.policy),
-                  on_availability=lambda available: _soon(service.follow(available)))
+                  on_availability=lambda available: _soon(service.follow(available)), no_pods=no_pods)
     channels = PodChannels(args.endpoints, settings.pod_credentials)
     hasher = RequestHasher(settings.keys, settings.cache_salt_secret)
     metrics = RouterMetrics(fleet)
     tokenizer = TokenizerAdoption(hasher, fleet, args.model)
     pb_grpc.add_InferenceServicer_to_server(RouterServicer(fleet, channels, hasher, metrics), service.server)
-    watchers = [PodWatcher(fleet, address, channels.stubs[address], settings.pod_metadata, tokenizer.on_model)
-                for address in args.endpoints]
-    tasks: list[asyncio.Task[None]] = []
+    members = Members(fleet, channels, settings, tokenizer.on_model)
+    slices = (EndpointSliceWatcher(args.kubernetes_service, namespace, members.update)
+              if args.kubernetes_service else None)
 
     async def warm_up() -> None:  # returns at once: health then follows the fleet
         if args.model:
             _soon(tokenizer.load(args.model))
-        tasks.extend(asyncio.ensure_future(watcher.run()) for watcher in watchers)
+        for address in args.endpoints:
+            members.watch(address)
+        if slices is not None:
+            slices.start()
+            log.info("following the pods of Service %s/%s", namespace, args.kubernetes_service)
 
-    if not args.endpoints:
+    if not args.endpoints and not args.kubernetes_service:
         log.warning("no --endpoints: every request is answered UNAVAILABLE")
     if settings.keys is not None and settings.cache_salt_secret is None:
         log.warning("API keys without --cache-salt-secret-file: keyed tenants are routed by load alone")
@@ -138,8 +190,9 @@ async def serve(args: argparse.Namespace, settings: RouterSettings) -> None:
     try:
         await serve_until_signalled(service, warm_up=warm_up)
     finally:
-        for task in tasks:
-            task.cancel()
+        if slices is not None:
+            slices.stop()
+        members.close()
         await channels.close()
 
 

@@ -31,8 +31,24 @@ class PodChannels:
     """A channel and stub per pod address, plain or over TLS (`credentials`)."""
 
     def __init__(self, addresses: Sequence[str], credentials: grpc.ChannelCredentials | None = None) -> None:
-        self.channels = {address: _channel(address, credentials) for address in addresses}
-        self.stubs = {address: pb_grpc.InferenceStub(channel) for address, channel in self.channels.items()}
+        self.credentials = credentials
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.stubs: dict[str, pb_grpc.InferenceStub] = {}
+        for address in addresses:
+            self.add(address)
+
+    def add(self, address: str) -> pb_grpc.InferenceStub:
+        if address not in self.channels:
+            self.channels[address] = _channel(address, self.credentials)
+            self.stubs[address] = pb_grpc.InferenceStub(self.channels[address])
+        return self.stubs[address]
+
+    async def remove(self, address: str, grace_s: float) -> None:
+        """Forgets the pod's channel; the calls still on it have `grace_s` to finish before they are cancelled."""
+        self.stubs.pop(address, None)
+        channel = self.channels.pop(address, None)
+        if channel is not None:
+            await channel.close(grace=grace_s)
 
     async def close(self) -> None:
         for channel in self.channels.values():
