@@ -99,7 +99,9 @@ class KvEventRecorder:
     def __init__(self, epoch: str) -> None:
         self.epoch = epoch
         self.sequence = 0  # of the last batch taken
-        self._events: list[KvEvent] = []
+        # the interval's runs, each one event's kind (None: the clear) and keys: a list grows in O(1) a key, and
+        # becomes the event's tuple at take_batch
+        self._runs: list[tuple[type[BlocksStored] | type[BlocksRemoved] | None, list[bytes]]] = []
 
     def stored(self, block_hash: bytes) -> None:
         self._append(BlocksStored, block_hash)
@@ -109,25 +111,24 @@ class KvEventRecorder:
 
     def cleared(self) -> None:
         """Everything recorded before in this interval is moot: the batch starts over with the clear."""
-        self._events = [AllCleared()]
+        self._runs = [(None, [])]
 
     def _append(self, kind: type[BlocksStored] | type[BlocksRemoved], block_hash: bytes) -> None:
-        last = self._events[-1] if self._events else None
-        if isinstance(last, kind):  # runs of one kind share an event: one message per run, not per key
-            self._events[-1] = kind((*last.block_hashes, block_hash))
+        if self._runs and self._runs[-1][0] is kind:  # runs of one kind share an event: one message per run
+            self._runs[-1][1].append(block_hash)
         else:
-            self._events.append(kind((block_hash,)))
+            self._runs.append((kind, [block_hash]))
 
     def take_batch(self) -> KvEventBatch:
         """The interval's batch (numbered) and a fresh interval; with nothing recorded, a heartbeat."""
-        if not self._events:
+        if not self._runs:
             return KvEventBatch(self.epoch, self.sequence)
         self.sequence += 1
-        batch = KvEventBatch(self.epoch, self.sequence, tuple(self._events))
-        self._events = []
-        return batch
+        events = tuple(AllCleared() if kind is None else kind(tuple(keys)) for kind, keys in self._runs)
+        self._runs = []
+        return KvEventBatch(self.epoch, self.sequence, events)
 
     def snapshot(self, cached_hashes: frozenset[bytes]) -> KvSnapshot:
         """The snapshot for a new subscriber; call it between intervals (nothing recorded and untaken)."""
-        assert not self._events, "snapshot taken mid-interval: take_batch first, or the events would be lost"
+        assert not self._runs, "snapshot taken mid-interval: take_batch first, or the events would be lost"
         return KvSnapshot(self.epoch, self.sequence, cached_hashes)
