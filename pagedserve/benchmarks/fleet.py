@@ -37,7 +37,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -63,7 +62,7 @@ from .fleet_workload import (
     requests_per_pod,
 )
 from .report import emit
-from .serve_passes import PASSAGE
+from .serve_passes import PASSAGE, run_at
 
 ARMS = (*POLICIES, "pinned")
 # step costs for --simulate without --calibration: smollm2-135m, one executor thread, measured by a real run here
@@ -317,29 +316,6 @@ def generate(stub: pb_grpc.InferenceStub, token_ids: Sequence[int], max_tokens: 
         raise RuntimeError(f"asked for {max_tokens} tokens, got {tokens}")
     pod = pod or dict(call.trailing_metadata()).get(POD_HEADER, "")
     return Sent(first - start, end, start, tokens, usage.prompt_tokens, usage.cached_prompt_tokens, pod)
-
-
-def run_at(jobs: Sequence[tuple[float, Callable[[], Sent]]]) -> list[Sent]:
-    """Each job on its own thread at its arrival time (Poisson: a request does not wait for the one before)."""
-    results: list[Sent | BaseException | None] = [None] * len(jobs)
-
-    def work(i: int, job: Callable[[], Sent]) -> None:
-        try:
-            results[i] = job()
-        except BaseException as exc:  # reported below
-            results[i] = exc
-
-    start, threads = time.monotonic(), []
-    for i, (delay, job) in enumerate(jobs):
-        time.sleep(max(0.0, start + delay - time.monotonic()))
-        threads.append(threading.Thread(target=work, args=(i, job), daemon=True))
-        threads[-1].start()
-    for thread in threads:
-        thread.join()
-    failed = [r for r in results if not isinstance(r, Sent)]
-    if failed:
-        raise RuntimeError(f"{len(failed)} of {len(jobs)} requests failed; the first: {failed[0]!r}")
-    return [r for r in results if isinstance(r, Sent)]
 
 
 def wait_idle(stubs: dict[str, pb_grpc.InferenceStub], timeout: float = 120.0) -> None:

@@ -12,9 +12,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from .workloads import RequestSpec, sharegpt_like
+
+T = TypeVar("T")
 
 PASSAGE = (
     "The lighthouse keeper's log for the winter of that year survives in a county archive, and it reads less like "
@@ -64,15 +66,17 @@ class Generates(Protocol):
     def generate(self, ids: list[int], max_tokens: int, api_key: str, n: int = 1, seed: int = 0) -> Outcome: ...
 
 
-def run_at(jobs: Sequence[tuple[float, Callable[[], Outcome]]]) -> list[Outcome]:
-    """Starts each job on its own thread `delay` seconds from now; returns outcomes in job order."""
-    results: list[Outcome | BaseException | None] = [None] * len(jobs)
+def run_at(jobs: Sequence[tuple[float, Callable[[], T]]]) -> list[T]:
+    """Starts each job on its own thread `delay` seconds from now (Poisson arrivals: a request does not wait for
+    the one before); returns the results in job order, or raises naming the first job that failed."""
+    results: dict[int, T] = {}
+    errors: dict[int, BaseException] = {}
 
-    def work(i: int, job: Callable[[], Outcome]) -> None:
+    def work(i: int, job: Callable[[], T]) -> None:
         try:
             results[i] = job()
         except BaseException as exc:  # reported below, on the caller's thread
-            results[i] = exc
+            errors[i] = exc
 
     start = time.monotonic()
     threads = []
@@ -82,10 +86,9 @@ def run_at(jobs: Sequence[tuple[float, Callable[[], Outcome]]]) -> list[Outcome]
         threads[-1].start()
     for thread in threads:
         thread.join()
-    failed = [r for r in results if not isinstance(r, Outcome)]
-    if failed:
-        raise RuntimeError(f"{len(failed)} of {len(jobs)} requests failed; the first: {failed[0]!r}")
-    return [r for r in results if isinstance(r, Outcome)]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(jobs)} requests failed; the first: {errors[min(errors)]!r}")
+    return [results[i] for i in range(len(jobs))]
 
 
 def progress(what: str, fields: dict[str, Any]) -> dict[str, Any]:
