@@ -28,20 +28,33 @@ def test_kv_aware_sends_to_the_prefix_holder_at_equal_load() -> None:
     pods = [pod("a", running=3, used=30), pod("b", cached=8, running=3, used=30), pod("c", running=3, used=30)]
     picked = Chooser().choose(PROMPT, pods, NOW)
     assert picked.pod == "b" and picked.predicted_cached_tokens == 128
-    assert picked.cost == 1 + 30 + 1 and picked.reason == "kv-aware: cost 32.0 blocks, 8 of 9 prompt blocks cached"
+    assert picked.cost == 4 * 1 + 30 + 1 and picked.reason == "kv-aware: cost 35.0 blocks, 8 of 9 prompt blocks cached"
 
 
 def test_a_cached_prefix_is_not_trusted_from_a_silent_event_stream() -> None:
     silent = PodState("b", 8, LoadReport(0, 0, 0, 1000, NOW), NOW - 60.0)
     picked = Chooser().choose(PROMPT, [pod("a"), silent], NOW)
-    assert picked.predicted_cached_tokens == 0 and picked.cost == 18
+    assert picked.predicted_cached_tokens == 0 and picked.cost == 4 * 9 + 9
 
 
 def test_the_guard_names_the_pod_it_skips() -> None:
     pods = [pod("a", cached=8, running=9, used=17), pod("b", running=1, used=9), pod("c", running=2, used=18)]
     picked = Chooser().choose(PROMPT, pods, NOW)
     assert picked.pod == "b"
-    assert picked.reason.endswith("(guard: a runs 9 sequences, over 1.25 x the mean 4.0 + 2)")
+    assert picked.reason.endswith("(guard: a runs 9 sequences, over 1.25 x the mean + 2)")
+
+
+def test_the_guard_spreads_a_pod_that_took_more_than_its_share_of_recent_requests() -> None:
+    """At light load nothing runs long enough for the sequence guard: the holder of a busy tenant's prefix is left
+    out once this router sent it more than 1.4 x the mean of recent requests + 2, and takes it again below."""
+    def fleet(recent_a: float) -> list[PodState]:
+        return [pod("a", cached=8, inflight=InFlight(recent_requests=recent_a)),
+                pod("b", inflight=InFlight(recent_requests=10.0)), pod("c", inflight=InFlight(recent_requests=10.0))]
+
+    assert Chooser().choose(PROMPT, fleet(21.0), NOW).pod == "a"  # limit 1.4 x 41 / 3 + 2 = 21.13: not over
+    skipped = Chooser().choose(PROMPT, fleet(30.0), NOW)  # limit 1.4 x 50 / 3 + 2 = 25.3
+    assert skipped.pod == "b" and skipped.reason.endswith(
+        "(guard: a took 30.0 recent requests, over 1.4 x the mean + 2)")
 
 
 def test_requests_sent_since_the_report_count() -> None:

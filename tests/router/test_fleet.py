@@ -9,7 +9,7 @@ from pagedserve.services.common.errors import NotReady
 from pagedserve.services.common.kv_events import BlocksStored, KvEventBatch, KvSnapshot
 from pagedserve.services.router.choice import Chooser
 from pagedserve.services.router.fleet import Fleet, PodPhase
-from pagedserve.services.router.load import InFlight, LoadReport
+from pagedserve.services.router.load import RECENT_HALF_LIFE_S, InFlight, LoadReport
 from pagedserve.services.router.prompt_blocks import prompt_blocks
 
 IDENTITY = CacheIdentity("sha256:m", "tok", "{{ chat }}", "bfloat16", 4)
@@ -98,6 +98,16 @@ def test_requests_in_flight_count_as_unreported_until_the_next_report() -> None:
     assert fleet.in_flight(PODS[0]) == InFlight(1, 8, 1, 8)
     fleet.finish(second)
     assert fleet.in_flight(PODS[0]) == InFlight()
+
+
+def test_recent_requests_fade_with_their_half_life_and_outlive_the_requests() -> None:
+    fleet = Fleet(PODS[:1], Chooser())
+    synced(fleet, PODS[0])
+    assert fleet.in_flight(PODS[0], now=0.0).recent_requests == 0.0
+    fleet.finish(fleet.send(PODS[0], 4, now=0.0))
+    fleet.send(PODS[0], 4, now=RECENT_HALF_LIFE_S)  # the first counts half by now
+    assert fleet.in_flight(PODS[0], now=RECENT_HALF_LIFE_S).recent_requests == pytest.approx(1.5)
+    assert fleet.in_flight(PODS[0], now=3 * RECENT_HALF_LIFE_S).recent_requests == pytest.approx(0.375)
 
 
 def test_endpoints_must_be_distinct() -> None:

@@ -29,7 +29,7 @@ from ..common.cache_identity import CacheIdentity
 from ..common.errors import NotReady
 from ..common.kv_events import KvEventBatch, KvSnapshot
 from .choice import Choice, Chooser
-from .load import InFlight, LoadReport, PodState
+from .load import InFlight, LoadReport, PodState, faded
 from .pod_index import PodIndex
 from .prompt_blocks import PromptBlocks
 
@@ -63,6 +63,7 @@ class PodRecord:
     load: LoadReport | None = None
     in_flight: dict[int, Ticket] = field(default_factory=dict)
     draining: bool = False  # not ready or terminating (Kubernetes says): no new request
+    recent: tuple[float, float] = (0.0, 0.0)  # this router's requests sent there, faded (load.faded), and when
 
     @property
     def routable(self) -> bool:
@@ -172,11 +173,14 @@ class Fleet:
         if not names:
             raise NotReady(self.why_none(exclude))
         depths = self.index.longest_prefixes(prompt.block_hashes)
-        return self.chooser.choose(prompt, [self._state(name, depths[name]) for name in names], now)
+        return self.chooser.choose(prompt, [self._state(name, depths[name], now) for name in names], now)
 
     def send(self, pod: str, new_tokens: int, now: float) -> Ticket:
         ticket = Ticket(pod, next(self._numbers), now, new_tokens)
-        self.pods[pod].in_flight[ticket.number] = ticket
+        record = self.pods[pod]
+        record.in_flight[ticket.number] = ticket
+        count, at = record.recent
+        record.recent = (faded(count, now - at) + 1.0, now)
         return ticket
 
     def finish(self, ticket: Ticket) -> None:
@@ -184,14 +188,16 @@ class Fleet:
         if record is not None:
             record.in_flight.pop(ticket.number, None)
 
-    def in_flight(self, pod: str) -> InFlight:
-        """This router's requests at the pod, and the part sent after its last load report (load.py)."""
+    def in_flight(self, pod: str, now: float | None = None) -> InFlight:
+        """This router's requests at the pod, the part sent after its last load report, and (given `now`) all it
+        sent there lately (load.py)."""
         record = self.pods[pod]
+        count, at = record.recent
         tickets = record.in_flight.values()
         reported_at = record.load.reported_at if record.load is not None else float("-inf")
         unreported = [t for t in tickets if t.sent_at >= reported_at]
         return InFlight(len(tickets), sum(t.new_tokens for t in tickets), len(unreported),
-                        sum(t.new_tokens for t in unreported))
+                        sum(t.new_tokens for t in unreported), 0.0 if now is None else faded(count, now - at))
 
     def why_none(self, exclude: Collection[str] = ()) -> str:
         """Why no pod can take a request, naming each pod's state: the UNAVAILABLE message."""
@@ -211,9 +217,9 @@ class Fleet:
 
     # ---- helpers ---------------------------------------------------------------------------------------
 
-    def _state(self, pod: str, cached_blocks: int) -> PodState:
+    def _state(self, pod: str, cached_blocks: int, now: float) -> PodState:
         record = self.pods[pod]
-        return PodState(pod, cached_blocks, record.load, self.index.heard_at(pod), self.in_flight(pod))
+        return PodState(pod, cached_blocks, record.load, self.index.heard_at(pod), self.in_flight(pod, now))
 
     def _set(self, pod: str, phase: PodPhase, reason: str = "") -> None:
         record = self.pods[pod]

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from ..common.kv_geometry import blocks_for
 
+RECENT_HALF_LIFE_S = 60.0  # how long a request sent counts toward a pod's share of the traffic (recent_requests)
+
 
 @dataclass(frozen=True)
 class LoadReport:
@@ -36,6 +38,7 @@ class InFlight:
     new_tokens: int = 0  # their prompt tokens that the pod computes: each prompt less its predicted cached tokens
     unreported_requests: int = 0
     unreported_new_tokens: int = 0
+    recent_requests: float = 0.0  # all it sent there, finished or not, each fading with RECENT_HALF_LIFE_S
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,11 @@ class PodState:
     load: LoadReport | None
     events_heard_at: float | None  # pod_index.PodIndex.heard_at: None while its view is out of sync
     inflight: InFlight = InFlight()
+
+
+def faded(count: float, since_s: float) -> float:
+    """A count of requests `since_s` seconds later, each halving every RECENT_HALF_LIFE_S."""
+    return count * 0.5 ** (max(since_s, 0.0) / RECENT_HALF_LIFE_S)
 
 
 def is_fresh(pod: PodState, now: float, max_age_s: float) -> bool:
