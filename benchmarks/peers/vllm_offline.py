@@ -2,8 +2,8 @@
 
 Runs under the peer venv's python (benchmarks/peers/setup-vllm.sh), never under pagedserve's: it imports
 nothing of pagedserve. The prompts arrive as token ids and go in as `TokensPrompt`s, so vLLM sees exactly
-the ids the other sides see. Greedy, EOS ignored, fp32. One small warm-up `generate()` first (it also
-triggers vLLM's compilation), then the timed one over all prompts; tokens/s is generated tokens over the
+the ids the other sides see. Greedy, EOS ignored, `--dtype` (fp32 by default). One small warm-up `generate()`
+first (it also triggers vLLM's compilation), then the timed one over all prompts; tokens/s is generated tokens over the
 wall time of that call, prefill included (median over `--repeats`). Prints one JSON line: tok_s, the
 generated ids, versions.
 
@@ -36,14 +36,16 @@ def main() -> None:
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs; the median is reported")
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile (vLLM's default compiles)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     prompts: list[list[int]] = json.loads(args.prompts.read_text())
-    result = run(args.model, prompts, args.new_tokens, args.enforce_eager, args.kv_cache_mib, args.repeats)
+    result = run(args.model, prompts, args.new_tokens, args.enforce_eager, args.kv_cache_mib, args.repeats, args.dtype)
     print(json.dumps(result), flush=True)
 
 
 def run(
-    model: Path, prompts: list[list[int]], new_tokens: int, enforce_eager: bool, kv_cache_mib: int, repeats: int
+    model: Path, prompts: list[list[int]], new_tokens: int, enforce_eager: bool, kv_cache_mib: int, repeats: int,
+    dtype: str,
 ) -> dict[str, Any]:
     import torch
     import vllm  # type: ignore[import-not-found]  # only in the peer venv, never in pagedserve's
@@ -51,7 +53,7 @@ def run(
     from vllm.inputs import TokensPrompt  # type: ignore[import-not-found]
 
     max_model_len = max(max(len(p) for p in prompts) + new_tokens, 256)  # 256: room for its chat-template warm-up
-    llm = LLM(model=str(model), tokenizer=str(model), dtype="float32", max_model_len=max_model_len,
+    llm = LLM(model=str(model), tokenizer=str(model), dtype=dtype, max_model_len=max_model_len,
               max_num_seqs=len(prompts), seed=0, enforce_eager=enforce_eager, kv_cache_memory_bytes=kv_cache_mib << 20)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
@@ -70,6 +72,7 @@ def run(
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
         "enforce_eager": enforce_eager,
+        "dtype": dtype,
     }
 
 
