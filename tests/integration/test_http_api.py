@@ -144,6 +144,25 @@ def test_usage_reports_cached_tokens_of_a_repeated_long_prompt(pod: Pod) -> None
     assert other_tenant.usage.prompt_tokens_details.cached_tokens == 0  # tenants own their cache, as on gRPC
 
 
+def test_an_x_cache_salt_header_splits_the_tenant_s_cache_over_http(pod: Pod) -> None:
+    """The header reaches the salt as gRPC's metadata does: the same salt hits, another one (or none) misses,
+    and another tenant's call with the same salt misses too."""
+    prompt = f"{uuid.uuid4().hex} {LONG_PROMPT}"  # cold, whatever ran before
+
+    def cached(salt: str | None, key: str = KEY_A) -> int:
+        headers = {"x-cache-salt": salt} if salt is not None else {}
+        done = client(pod, key).completions.create(model=model(pod), prompt=prompt, max_tokens=4, temperature=0,
+                                                   extra_headers=headers)
+        assert done.usage is not None and done.usage.prompt_tokens_details is not None
+        return done.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached("team-1") == 0
+    assert cached("team-1") > 0
+    assert cached("team-2") == 0 and cached(None) == 0
+    assert cached("team-1", KEY_B) == 0
+    pod.wait_idle()
+
+
 def test_async_streams_with_n_and_usage(pod: Pod) -> None:
     async def run() -> tuple[dict[int, str], Any, dict[int, str]]:
         c = openai.AsyncOpenAI(base_url=f"{pod.http}/v1", api_key=KEY_A, max_retries=0)  # type: ignore[attr-defined]

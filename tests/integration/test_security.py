@@ -1,12 +1,13 @@
 """The public API's security through real processes on loopback: mutual TLS, API keys, tenant isolation of
 the prefix cache (the side channel of vLLM's CVE-2025-46570), the public limits, and the startup checks
-(sidecars refuse a reachable address, a malformed keys file stops the frontend).
+(sidecars refuse a reachable address, a malformed keys file stops the frontend). A refused handshake is checked
+as one (tls_testing.py), never as any OSError: an HTTP error answer is an OSError too.
 
-One pod serves the whole module: `pagedserve serve` with mutual TLS, two tenants and tight limits."""
+One pod serves the module: `pagedserve serve` with mutual TLS, two tenants and tight limits; the test of the
+behaviour without a keys file starts one of its own."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import ssl
@@ -23,7 +24,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from polling import free_port
 from stack_testing import Pod
-from tls_testing import Certs, make_certs
+from tls_testing import (
+    CLIENT_REFUSED,
+    SERVER_CLOSED,
+    Certs,
+    grpc_handshake_refusal,
+    https_handshake_refusal,
+    make_certs,
+)
 
 from pagedserve.protos import inference_pb2 as pb
 from pagedserve.protos import inference_pb2_grpc as pb_grpc
@@ -108,12 +116,18 @@ def test_mutual_tls_round_trip_and_clients_without_a_trusted_certificate_are_ref
 ) -> None:
     chunks, texts = pod.generate("The capital of France is", max_tokens=6, ignore_eos=True)
     assert chunks[-1].usage.completion_tokens == 6 and texts[0]
+    # the server ends the handshake: no client certificate, one from a CA it does not trust, or no TLS at all
     for refused in (grpc.secure_channel(pod.address, certs.client(with_cert=False)),
                     grpc.secure_channel(pod.address, certs.stranger()), grpc.insecure_channel(pod.address)):
         with refused:
-            health = health_pb2_grpc.HealthStub(refused)
-            assert code_of(lambda h=health: h.Check(health_pb2.HealthCheckRequest(), timeout=10)) == \
-                grpc.StatusCode.UNAVAILABLE
+            grpc_handshake_refusal(refused, SERVER_CLOSED)
+    # the client ends it: the server's certificate is not from the CA it was told to trust
+    untrusting = grpc.ssl_channel_credentials(certs.stranger_cert.read_bytes(), certs.client_key.read_bytes(),
+                                              certs.client_cert.read_bytes())
+    with grpc.secure_channel(pod.address, untrusting) as refused:
+        grpc_handshake_refusal(refused, CLIENT_REFUSED)
+    health = health_pb2_grpc.HealthStub(pod.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING  # meanwhile, a trusted client is answered
 
 
 def test_the_http_api_speaks_mutual_tls_with_the_same_certificates_and_keys(pod: Pod, certs: Certs) -> None:
@@ -131,11 +145,13 @@ def test_the_http_api_speaks_mutual_tls_with_the_same_certificates_and_keys(pod:
     without_cert = ssl.create_default_context(cafile=certs.ca)
     stranger = ssl.create_default_context(cafile=certs.ca)
     stranger.load_cert_chain(certs.stranger_cert, certs.stranger_key)
-    for refused in (without_cert, stranger):
-        with pytest.raises((OSError, http.client.HTTPException)):  # the handshake, or the first read, fails
-            get(refused).read()
-    with pytest.raises((OSError, http.client.HTTPException)):  # no plain HTTP beside HTTPS
-        urllib.request.urlopen(f"{pod.https.replace('https', 'http', 1)}/health", timeout=30).read()  # type: ignore[attr-defined]
+    for refused in (without_cert, stranger):  # the server closes the connection: no HTTP answer, not even a 401
+        https_handshake_refusal(lambda context=refused: get(context).read())
+    untrusting = ssl.create_default_context()  # the system's roots: the test CA is not among them
+    untrusting.load_cert_chain(certs.client_cert, certs.client_key)
+    assert isinstance(https_handshake_refusal(lambda: get(untrusting)), ssl.SSLCertVerificationError)
+    plain = f"{pod.https.replace('https', 'http', 1)}/health"  # type: ignore[attr-defined]
+    https_handshake_refusal(lambda: urllib.request.urlopen(plain, timeout=30).read())  # no plain HTTP beside HTTPS
 
 
 # ---- API keys -------------------------------------------------------------------------------------------
@@ -176,6 +192,37 @@ def test_tenant_b_gets_no_hit_on_tenant_a_s_prompt(pod: Pod) -> None:
     assert cached(salted) == 0 and cached(salted) > 0
     assert cached([*B, ("x-cache-salt", "team-1")]) == 0
     pod.wait_idle()
+
+
+def test_without_a_keys_file_keyless_callers_share_one_tenant_and_its_cache(tiny_chat_model_dir: Path) -> None:
+    """Pinned, so that changing it is a decision (docs/reliability.md): with no keys file every caller is trusted,
+    and a key is taken at its word as a tenant label. Callers that send no key are one tenant: one's prompt is a
+    prefix hit for another, through either door. A caller that sends another's key is that tenant too."""
+    http_port = free_port()
+    keyless = Pod(tiny_chat_model_dir, "--num-blocks", "256", "--http-port", str(http_port))
+    try:
+        def grpc_cached(*metadata: tuple[str, str]) -> int:
+            with grpc.insecure_channel(keyless.address) as channel:  # a caller of its own: its own connection
+                request = pb.GenerateRequest(text=LONG_PROMPT, params=pb.GenerationParameters(max_tokens=2))
+                reply = pb_grpc.InferenceStub(channel).Complete(request, timeout=60, metadata=metadata)
+            return reply.usage.cached_prompt_tokens  # type: ignore[no-any-return]
+
+        def http_cached(headers: dict[str, str]) -> int:
+            body = json.dumps({"prompt": LONG_PROMPT, "max_tokens": 2}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", body,
+                                             {"content-type": "application/json", **headers})
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return json.loads(reply.read())["usage"]["prompt_tokens_details"]["cached_tokens"]  # type: ignore[no-any-return]
+
+        assert grpc_cached() == 0  # cold
+        assert grpc_cached() > 0  # another keyless caller hits the first one's prompt
+        assert grpc_cached(("x-api-key", "any-label-0123456789")) == 0  # a label is a namespace of its own
+        assert grpc_cached(("authorization", "Bearer any-label-0123456789")) > 0  # whoever sends it shares it
+        assert http_cached({}) > 0  # and through the other door
+        assert http_cached({"x-cache-salt": "team-1"}) == 0  # a client's salt still splits the namespace it is in
+    finally:
+        output = keyless.stop()
+    assert keyless.proc.returncode == 0, output
 
 
 # ---- limits ---------------------------------------------------------------------------------------------

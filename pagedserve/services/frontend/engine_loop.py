@@ -28,7 +28,7 @@ from ..common.errors import NotReady, OutOfCapacity
 from ..common.tracing import tracer, tracing_enabled
 from .engine import Engine
 from .metrics import ServingMetrics
-from .recovery import CacheMismatch, SidecarSync, is_sidecar_loss
+from .recovery import CacheMismatch, SidecarSync, SidecarUnanswered, is_sidecar_loss
 from .request import GenerationParams, StepOutput
 
 log = logging.getLogger(__name__)
@@ -321,7 +321,8 @@ class EngineLoop:
             return
         except grpc.RpcError as exc:
             if now - self.down_since > self.recovery_timeout:
-                self._refuse(f"a sidecar has not answered for {now - self.down_since:.0f} s"
+                who = f"the {exc.sidecar}" if isinstance(exc, SidecarUnanswered) else "a sidecar"
+                self._refuse(f"{who} has not answered for {now - self.down_since:.0f} s"
                              f" (--recovery-timeout {self.recovery_timeout:g}): {exc.code().name}")
             return
         self.engine.resume(stats)

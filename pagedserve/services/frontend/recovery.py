@@ -8,12 +8,15 @@ frontend's sequences) is a loss too. Any other failure is a bad step, not a lost
 Synchronising starts a new executor epoch (steps sent before are dropped, never run into blocks handed out
 again), empties the block manager, and checks that both still describe the cache and weights the
 engine was built for: a sidecar that comes back different is refused, clearly, and the frontend stays down.
+A synchronising call that fails names its sidecar (SidecarUnanswered), so that a frontend that gives up after
+its recovery timeout can say which one to look at.
 """
 
 from __future__ import annotations
 
 import secrets
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import grpc
 
@@ -25,6 +28,29 @@ from ..executor.step_types import ExecutorInfo
 LOSS_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # what a restarted executor must still have for the engine's requests, limits and prefix namespace to hold
 SAME_EXECUTOR = ("model_digest", "dtype", "vocab_size", "max_model_len", "block_size", "num_blocks", "num_cpu_blocks")
+T = TypeVar("T")
+
+
+class SidecarUnanswered(grpc.RpcError):
+    """A synchronising call that failed, with the sidecar it went to: gRPC's own error names at most an address
+    (a passed deadline not even that), and a frontend that gives up should say which sidecar to look at."""
+
+    def __init__(self, sidecar: str, cause: grpc.RpcError) -> None:
+        super().__init__(f"the {sidecar} did not answer: {cause.code().name}")
+        self.sidecar, self.cause = sidecar, cause
+
+    def code(self) -> grpc.StatusCode:
+        return self.cause.code()
+
+    def details(self) -> str | None:
+        return self.cause.details()
+
+
+def _call(sidecar: str, call: Callable[[], T]) -> T:
+    try:
+        return call()
+    except grpc.RpcError as exc:
+        raise SidecarUnanswered(sidecar, exc) from exc
 
 
 class CacheMismatch(RuntimeError):
@@ -81,16 +107,17 @@ class Sidecars:
         self.epoch = secrets.randbits(62)
 
     def sync(self) -> BlockStats:
-        """Resets both (the executor first: it drains its old steps); CacheMismatch if either changed."""
+        """Resets both (the executor first: it drains its old steps); CacheMismatch if either changed,
+        SidecarUnanswered if either does not answer."""
         self.epoch += 1
-        info = self.executor.reset(self.epoch)
+        info = _call("executor", lambda: self.executor.reset(self.epoch))
         if self.info is not None:
             changed = [f"{name} {getattr(self.info, name)} -> {getattr(info, name)}"
                        for name in SAME_EXECUTOR if getattr(self.info, name) != getattr(info, name)]
             if changed:
                 raise CacheMismatch("the executor came back with another cache or model (" + ", ".join(changed)
                                     + "): refused; restart it with the flags it had, or restart the frontend")
-        stats = self.block_manager.reset()
+        stats = _call("block manager", self.block_manager.reset)
         check_agreement(info, stats)
         self.info = self.info or info
         self.block_manager_id = stats.instance_id
