@@ -1,5 +1,6 @@
-"""kopf wiring: the PagedModel's objects are applied from the pure builders, and one loop per model scrapes
-its pods, asks the pure policy for a size, applies it and writes the status. Nothing here decides anything.
+"""kopf wiring: the PagedModel's objects are applied from the pure builders, and one loop per model
+(model_loop.py) scrapes its pods, asks the pure policy for a size, applies it and writes the status. Nothing
+here decides anything.
 
 Level-based: every pass re-applies the whole desired state (server-side apply, a no-op when nothing
 drifted), so a hand edit of the Deployment is put back within one interval and an operator that restarts
@@ -10,33 +11,28 @@ from the autoscaler's `status.desiredReplicas` when it is on.
 
 from __future__ import annotations
 
-import asyncio
-import datetime
 import logging
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import kopf
 
-from .kube import Kube, Obj
-from .policy import Decision, Observation, ScalingPolicy, decide
-from .scrape import PodMetrics, observe, scrape
+from . import credentials
+from .guards import build_disruption_budget, build_network_policies, disruption_budget_wanted, network_policy_enabled
+from .kube import Kube, Obj, operator_namespace
+from .model_loop import Logger, ModelLoop, desired_replicas
 from .specs import (
     API_GROUP,
-    METRICS_PORT,
     build_deployment,
     build_pods_service,
     build_router,
     build_service,
     router_enabled,
     router_name,
-    selector_string,
 )
 
 MODELS = (API_GROUP, "pagedmodels")
-Logger = logging.Logger | logging.LoggerAdapter[Any]
 
 
 @dataclass(frozen=True)
@@ -44,31 +40,6 @@ class OperatorConfig:
     interval_s: float = 15.0  # between scrapes and decisions
     scrape_timeout_s: float = 3.0
     all_namespaces: bool = False
-
-
-def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(value: str | None) -> float | None:
-    if not value:
-        return None
-    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-
-
-def autoscaling(spec: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The autoscaling block when it is on; None means manual (`spec.replicas`)."""
-    block = spec.get("autoscaling")
-    return block if block and block.get("enabled", True) else None
-
-
-def desired_replicas(spec: Mapping[str, Any], status: Mapping[str, Any]) -> int:
-    auto = autoscaling(spec)
-    replicas = int(spec.get("replicas", 1))
-    if auto is None:
-        return replicas
-    low, high = int(auto.get("minReplicas", 1)), int(auto.get("maxReplicas", 4))
-    return min(max(int(status.get("desiredReplicas", replicas)), low), high)
 
 
 @kopf.on.startup()
@@ -82,21 +53,57 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.scanning.disabled = not memo.config.all_namespaces
     memo.kube = Kube()
     memo.grpc_probes = await memo.kube.has_grpc_probes()
+    memo.disruption_budget_api = await memo.kube.disruption_budget_api()
+    memo.operator_namespace = operator_namespace()  # its pods may scrape the models' metrics port
 
 
 async def apply_model(body: kopf.Body, memo: kopf.Memo, replicas: int) -> Obj:
     name, namespace, uid = body.metadata.name, body.metadata.namespace, body.metadata.uid
     assert name and namespace and uid, "a PagedModel without name, namespace or uid: not from the API server"
     kube: Kube = memo.kube
+    pods_digest, router_digest = await secrets_digests(kube, namespace, body.spec)
+    await apply_guards(body, memo, replicas)
     await kube.apply(build_pods_service(name, namespace, uid))
     if router_enabled(body.spec):
-        for manifest in build_router(name, namespace, uid, body.spec):
+        for manifest in build_router(name, namespace, uid, body.spec, router_digest):
             await kube.apply(manifest)
     else:  # turned off: its objects go (the public Service below points at the pods again)
         for kind in ("Deployment", "RoleBinding", "Role", "ServiceAccount"):
             await kube.delete(kind, router_name(name), namespace)
     await kube.apply(build_service(name, namespace, uid, body.spec))
-    return await memo.kube.apply(build_deployment(name, namespace, uid, body.spec, replicas, memo.grpc_probes))
+    return await kube.apply(build_deployment(name, namespace, uid, body.spec, replicas, memo.grpc_probes,
+                                             pods_digest))
+
+
+async def secrets_digests(kube: Kube, namespace: str, spec: Mapping[str, Any]) -> tuple[str, str]:
+    """The digests of what the pods and the routers mount, read each pass: an edited Secret rolls them within an
+    interval. A missing Secret is hashed as missing (its pods cannot start until it exists)."""
+    wanted = credentials.secret_keys(spec, router=True)
+    found = {secret: await kube.secret_data(namespace, secret) for secret in {ref.secret for ref in wanted}}
+    values = {ref: (found[ref.secret] or {}).get(ref.key) for ref in wanted}
+    pods = credentials.secret_keys(spec, router=False)
+    return credentials.digest({ref: values[ref] for ref in pods}), credentials.digest(values)
+
+
+async def apply_guards(body: kopf.Body, memo: kopf.Memo, replicas: int) -> None:
+    """The NetworkPolicies (before the pods, so that none serves unguarded) and the PodDisruptionBudget (only
+    for more than one pod): each made, or deleted when turned off."""
+    name, namespace, uid, spec = body.metadata.name, body.metadata.namespace, body.metadata.uid, body.spec
+    assert name and namespace and uid
+    kube: Kube = memo.kube
+    netpol = "networking.k8s.io/v1"
+    if network_policy_enabled(spec):
+        for manifest in build_network_policies(name, namespace, uid, spec, memo.operator_namespace):
+            await kube.apply(manifest)
+        if not router_enabled(spec):
+            await kube.delete("NetworkPolicy", router_name(name), namespace, netpol)
+    else:
+        for own in (name, router_name(name)):
+            await kube.delete("NetworkPolicy", own, namespace, netpol)
+    if disruption_budget_wanted(spec, replicas):
+        await kube.apply(build_disruption_budget(name, namespace, uid, spec, memo.disruption_budget_api))
+    else:
+        await kube.delete("PodDisruptionBudget", name, namespace, memo.disruption_budget_api)
 
 
 @kopf.on.create(*MODELS)
@@ -109,8 +116,17 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.daemon(*MODELS, cancellation_timeout=10.0)
 async def autoscale(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: Logger, **_: Any) -> None:
-    """One loop per PagedModel for as long as it exists: scrape, decide, apply, report."""
-    loop = ModelLoop(body, memo, logger)
+    """One loop per PagedModel for as long as it exists: scrape, decide, apply, report (model_loop.py)."""
+    config: OperatorConfig = memo.config
+
+    async def apply(replicas: int) -> Obj:
+        return await apply_model(body, memo, replicas)
+
+    def post_event(kind: str, reason: str, message: str) -> None:
+        kopf.event(body, type=kind, reason=reason, message=message)
+
+    loop = ModelLoop(body, memo.kube, apply, post_event, logger, interval_s=config.interval_s,
+                     scrape_timeout_s=config.scrape_timeout_s)
     while not stopped:
         try:
             await loop.run_once()
@@ -118,124 +134,3 @@ async def autoscale(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Mem
             logger.exception("reconciliation pass failed; retrying in %.0f s", memo.config.interval_s)
         await stopped.wait(memo.config.interval_s)
 
-
-class ModelLoop:
-    """The state one model's loop keeps between passes: the window of observations and each pod's last
-    answer. The decisions that must survive a restart (desired size, last scale time) live in the status."""
-
-    def __init__(self, body: kopf.Body, memo: kopf.Memo, logger: Logger) -> None:
-        self.body, self.memo, self.logger = body, memo, logger
-        self.kube: Kube = memo.kube
-        self.config: OperatorConfig = memo.config
-        self.window: deque[Observation] = deque()
-        self.last_seen: dict[str, tuple[float, PodMetrics]] = {}
-        self.desired = desired_replicas(body.spec, body.status)
-        self.last_scale_time = parse_time(body.status.get("lastScaleTime"))
-        self.metrics_available: bool | None = None
-
-    async def run_once(self) -> None:
-        name, namespace = self.body.metadata.name, self.body.metadata.namespace
-        assert name and namespace
-        spec = self.body.spec
-        observation = await self.observe(namespace, name)
-        auto = autoscaling(spec)
-        status: Obj = {}
-        if auto is None:
-            self.desired = int(spec.get("replicas", 1))
-            decision = Decision(self.desired, "autoscaling is off: spec.replicas", observation.complete, False)
-        else:
-            decision = await self.decide(namespace, auto, observation)
-            if decision.replicas != self.desired:
-                self.scaled(decision, status)
-        deployment = await apply_model(self.body, self.memo, self.desired)
-        await self.report(namespace, name, deployment, observation, decision, auto is not None, status)
-
-    async def observe(self, namespace: str, name: str) -> Observation:
-        # the ready pods are the fleet the policy reasons about: a starting pod carries no load yet (and is
-        # still counted by the Deployment's replicas); a ready pod that does not answer makes the round
-        # incomplete, and the policy holds
-        pods = [p for p in await self.kube.pods(namespace, selector_string(name)) if _is_ready(p)]
-        urls = {p["metadata"]["name"]: f"http://{p['status']['podIP']}:{METRICS_PORT}/metrics" for p in pods}
-        answers = await scrape(urls, self.config.scrape_timeout_s)
-        now = asyncio.get_running_loop().time()
-        observation = observe(now, answers, self.last_seen)
-        self.last_seen = {pod: (now, metrics) for pod, metrics in answers.items() if metrics is not None}
-        if observation.num_pods:  # no ready pod yet is no data, not an idle fleet
-            self.window.append(observation)
-        return observation
-
-    async def decide(self, namespace: str, auto: Mapping[str, Any], observation: Observation) -> Decision:
-        low, high = int(auto.get("minReplicas", 1)), int(auto.get("maxReplicas", 4))
-        found = await self.kube.policy(namespace, auto["policyRef"])
-        if found is None:
-            held = min(max(self.desired, low), high)
-            return Decision(held, f"AutoscalingPolicy {auto['policyRef']!r} not found: holding {held}",
-                            observation.complete, True)
-        policy = ScalingPolicy.from_spec(found.get("spec", {}))
-        keep = policy.history_s + 2 * self.config.interval_s
-        while self.window and self.window[0].time < observation.time - keep:
-            self.window.popleft()
-        last_scale = None
-        if self.last_scale_time is not None:  # the status holds wall time; the window monotonic time
-            last_scale = observation.time - (datetime.datetime.now(datetime.UTC).timestamp() - self.last_scale_time)
-        return decide(list(self.window), self.desired, low, high, policy, observation.time, last_scale,
-                      stale_after_s=3 * self.config.interval_s)
-
-    def scaled(self, decision: Decision, status: Obj) -> None:
-        verb = "ScaledUp" if decision.replicas > self.desired else "ScaledDown"
-        self.logger.info("%s %d -> %d: %s", verb, self.desired, decision.replicas, decision.reason)
-        kopf.event(self.body, type="Normal", reason=verb, message=decision.reason)
-        self.desired = decision.replicas
-        status["lastScaleTime"] = now_rfc3339()
-        status["lastScaleReason"] = decision.reason
-        self.last_scale_time = parse_time(status["lastScaleTime"])
-
-    async def report(self, namespace: str, name: str, deployment: Obj, observation: Observation,
-                     decision: Decision, auto: bool, status: Obj) -> None:
-        live = deployment.get("status", {})
-        ready = int(live.get("readyReplicas", 0))
-        status.update(replicas=int(live.get("replicas", 0)), readyReplicas=ready, selector=selector_string(name),
-                      desiredReplicas=self.desired, observedGeneration=self.body.metadata.get("generation"))
-        if observation.num_scraped:
-            attainment = observation.slo_attainment
-            status.update(blockPressure=round(observation.block_pressure, 4),
-                          hottestPodPressure=round(observation.max_pod_pressure, 4),
-                          goodput=round(observation.goodput_rps, 4),
-                          finishedRequestsPerSecond=round(observation.finished_rps, 4),
-                          sloAttainment=None if attainment is None else round(attainment, 4),
-                          waitingRequests=observation.waiting_requests,
-                          preemptionsPerSecond=round(observation.preemptions_per_s, 4))
-        available = observation.complete
-        read = f"read /metrics of {observation.num_scraped} of {observation.num_pods} ready pods"
-        if observation.num_pods and not available and self.metrics_available is not False:
-            kopf.event(self.body, type="Warning", reason="MetricsUnavailable", message=read)
-        self.metrics_available = available
-        conditions = [
-            ("Ready", ready >= self.desired, "AllReplicasReady" if ready >= self.desired else "ReplicasNotReady",
-             f"{ready}/{self.desired} pods ready"),
-            ("MetricsAvailable", available,
-             "Scraped" if available else "MetricsMissing" if observation.num_pods else "NoReadyPods", read),
-            ("ScalingLimited", auto and decision.limited, "Limited" if auto and decision.limited else
-             "Autoscaling" if auto else "ManualScaling", decision.reason),
-        ]
-        status["conditions"] = merge_conditions(self.body.status.get("conditions", []), conditions)
-        await self.kube.patch_model_status(namespace, name, status)
-
-
-def _is_ready(pod: Obj) -> bool:
-    status = pod.get("status", {})
-    return (not pod["metadata"].get("deletionTimestamp") and bool(status.get("podIP"))
-            and any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", [])))
-
-
-def merge_conditions(previous: list[Obj], current: list[tuple[str, bool, str, str]]) -> list[Obj]:
-    """Kubernetes-style conditions; lastTransitionTime moves only when the status flips."""
-    before = {c.get("type"): c for c in previous}
-    out = []
-    for kind, value, reason, message in current:
-        state = "True" if value else "False"
-        old = before.get(kind, {})
-        since = old.get("lastTransitionTime") if old.get("status") == state else None
-        out.append({"type": kind, "status": state, "reason": reason, "message": message,
-                    "lastTransitionTime": since or now_rfc3339()})
-    return out

@@ -16,12 +16,18 @@ With `spec.router.enabled` (the default) the model's public Service NAME points 
 pods through the EndpointSlices of the pods' own headless Service NAME-pods, with a ServiceAccount whose Role
 allows get/list/watch on endpointslices in the namespace and nothing else. Without the router, NAME points at the
 pods as before (and NAME-pods exists all the same: one address per pod, for whoever wants them).
+
+Credentials from Secrets (TLS, mutual TLS, API keys, the cache-salt secret) are credentials.py's: the frontend and
+the router mount them, and the digest of their content in the pod template's annotation rolls the pods when one
+changes. NetworkPolicies and the PodDisruptionBudget are guards.py's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from . import credentials
 
 API_GROUP = "pagedserve.io"
 API_VERSION = "v1alpha1"
@@ -57,7 +63,7 @@ def owner_reference(name: str, uid: str) -> Manifest:
             "controller": True, "blockOwnerDeletion": True}
 
 
-def _metadata(name: str, namespace: str, uid: str, own_name: str = "", component: str = "model") -> Manifest:
+def metadata(name: str, namespace: str, uid: str, own_name: str = "", component: str = "model") -> Manifest:
     """An owned object's metadata: named `own_name` (default the model's), labelled as the model's `component`."""
     return {"name": own_name or name, "namespace": namespace,
             "labels": {**selector(name, component), "app.kubernetes.io/managed-by": FIELD_MANAGER},
@@ -88,14 +94,14 @@ def build_service(name: str, namespace: str, uid: str, spec: Mapping[str, Any] |
     else:
         target = selector(name)
         ports = [_port("grpc", GRPC_PORT), _port("http", HTTP_PORT), _port("metrics", METRICS_PORT)]
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(name, namespace, uid),
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(name, namespace, uid),
             "spec": {"type": "ClusterIP", "selector": target, "ports": ports}}
 
 
 def build_pods_service(name: str, namespace: str, uid: str) -> Manifest:
     """The pods' headless Service: no virtual IP, one address per pod in its EndpointSlices (which the routers
     follow: the `grpc` port by name) and in DNS."""
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(name, namespace, uid, pods_service_name(name)),
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(name, namespace, uid, pods_service_name(name)),
             "spec": {"clusterIP": "None", "selector": selector(name), "publishNotReadyAddresses": False,
                      "ports": [_port("grpc", GRPC_PORT), _port("http", HTTP_PORT), _port("metrics", METRICS_PORT)]}}
 
@@ -105,41 +111,41 @@ ROUTER_RULES: list[Manifest] = [{"apiGroups": ["discovery.k8s.io"], "resources":
                                  "verbs": ["get", "list", "watch"]}]
 
 
-def build_router(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> list[Manifest]:
+def build_router(name: str, namespace: str, uid: str, spec: Mapping[str, Any],
+                 secrets_digest: str = "") -> list[Manifest]:
     """The router's ServiceAccount, Role, RoleBinding and Deployment, in the order they are applied (the account
     and its rights before the pods that use them)."""
     own = router_name(name)
     account = {"apiVersion": "v1", "kind": "ServiceAccount",
-               "metadata": _metadata(name, namespace, uid, own, "router"), "automountServiceAccountToken": False}
+               "metadata": metadata(name, namespace, uid, own, "router"), "automountServiceAccountToken": False}
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": _metadata(name, namespace, uid, own, "router"), "rules": ROUTER_RULES}
+            "metadata": metadata(name, namespace, uid, own, "router"), "rules": ROUTER_RULES}
     binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-               "metadata": _metadata(name, namespace, uid, own, "router"),
+               "metadata": metadata(name, namespace, uid, own, "router"),
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": own},
                "subjects": [{"kind": "ServiceAccount", "name": own, "namespace": namespace}]}
-    return [account, role, binding, build_router_deployment(name, namespace, uid, spec)]
+    return [account, role, binding, build_router_deployment(name, namespace, uid, spec, secrets_digest)]
 
 
-def build_router_deployment(name: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> Manifest:
+def build_router_deployment(name: str, namespace: str, uid: str, spec: Mapping[str, Any],
+                            secrets_digest: str = "") -> Manifest:
+    """`secrets_digest`: of the Secrets the router mounts (credentials.digest); a new one rolls the routers."""
     router = spec.get("router") or {}
-    volumes: list[Manifest] = [{"name": "scratch", "emptyDir": {}}]
-    mounts: list[Manifest] = [{"name": "scratch", "mountPath": SCRATCH_DIR}]
+    secret_volumes, secret_mounts = credentials.volumes(spec, router=True)
+    volumes: list[Manifest] = [{"name": "scratch", "emptyDir": {}}, *secret_volumes]
+    mounts: list[Manifest] = [{"name": "scratch", "mountPath": SCRATCH_DIR}, *secret_mounts]
     model_volume, model_mounts = _model_volume(spec)
     args = ["router", "--listen", f"0.0.0.0:{GRPC_PORT}", "--metrics-port", str(METRICS_PORT),
             "--kubernetes-service", pods_service_name(name), "--namespace", namespace,
             "--policy", str(router.get("policy", "kv-aware")),
-            "--model", spec["model"]]  # the tokenizer it hashes prompts with (checked against the pods' identity)
+            "--model", spec["model"],  # the tokenizer it hashes prompts with (checked against the pods' identity)
+            *credentials.public_args(spec), *credentials.router_pod_args(spec)]
     resources = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
     container = {
         **_container("router", args, spec, mounts + model_mounts, resources),
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
-        # ready while a pod is in sync (gRPC health SERVING); alive while it listens: a router with no pod to
-        # route to is not broken, and restarting it would not bring one. 0.0.0.0: the router's own listener
-        "startupProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 1, "failureThreshold": 120},
-        "readinessProbe": {"exec": {"command": ["pagedserve", "health", f"0.0.0.0:{GRPC_PORT}"]},
-                           "timeoutSeconds": 5, "periodSeconds": 2, "failureThreshold": 2},
-        "livenessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 20, "failureThreshold": 3},
+        **_router_probes(name, namespace, spec),
     }
     pod_spec: Manifest = {
         "serviceAccountName": router_name(name),
@@ -157,14 +163,32 @@ def build_router_deployment(name: str, namespace: str, uid: str, spec: Mapping[s
     labels_ = {**selector(name, "router"), "app.kubernetes.io/managed-by": FIELD_MANAGER}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": _metadata(name, namespace, uid, router_name(name), "router"),
+        "metadata": metadata(name, namespace, uid, router_name(name), "router"),
         "spec": {
             "replicas": int(router.get("replicas", 1)),
             "selector": {"matchLabels": selector(name, "router")},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {"metadata": {"labels": labels_}, "spec": pod_spec},
+            "template": {"metadata": _template_metadata(labels_, secrets_digest), "spec": pod_spec},
         },
     }
+
+
+def _router_probes(name: str, namespace: str, spec: Mapping[str, Any]) -> Manifest:
+    # ready while a pod is in sync (gRPC health SERVING); alive while it listens: a router with no pod to
+    # route to is not broken, and restarting it would not bring one. 0.0.0.0: the router's own listener,
+    # checked over TLS where it serves TLS
+    health = credentials.health_command(f"0.0.0.0:{GRPC_PORT}", name, namespace, spec)
+    return {"startupProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 1, "failureThreshold": 120},
+            "readinessProbe": {"exec": {"command": health}, "timeoutSeconds": 5, "periodSeconds": 2,
+                               "failureThreshold": 2},
+            "livenessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 20, "failureThreshold": 3}}
+
+
+def _template_metadata(labels_: dict[str, str], secrets_digest: str) -> Manifest:
+    out: Manifest = {"labels": labels_}
+    if secrets_digest:
+        out["annotations"] = {credentials.DIGEST_ANNOTATION: secrets_digest}
+    return out
 
 
 def _model_volume(spec: Mapping[str, Any]) -> tuple[Manifest | None, list[Manifest]]:
@@ -181,12 +205,13 @@ def _model_volume(spec: Mapping[str, Any]) -> tuple[Manifest | None, list[Manife
 
 
 def build_deployment(name: str, namespace: str, uid: str, spec: Mapping[str, Any], replicas: int,
-                     grpc_probes: bool = False) -> Manifest:
+                     grpc_probes: bool = False, secrets_digest: str = "") -> Manifest:
     """The model's Deployment at `replicas` pods (the autoscaler's or the user's number, see handlers).
-    `grpc_probes`: the cluster has gRPC probes (1.24+), used for the frontend's readiness."""
-    template = build_pod_template(name, spec, grpc_probes)
+    `grpc_probes`: the cluster has gRPC probes (1.24+), used for the frontend's readiness without TLS.
+    `secrets_digest`: of the Secrets the pods mount (credentials.digest); a new one rolls the pods."""
+    template = build_pod_template(name, spec, grpc_probes, secrets_digest)
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(name, namespace, uid),
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(name, namespace, uid),
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector(name)},
@@ -197,14 +222,17 @@ def build_deployment(name: str, namespace: str, uid: str, spec: Mapping[str, Any
     }
 
 
-def build_pod_template(name: str, spec: Mapping[str, Any], grpc_probes: bool = False) -> Manifest:
+def build_pod_template(name: str, spec: Mapping[str, Any], grpc_probes: bool = False,
+                       secrets_digest: str = "") -> Manifest:
     volumes: list[Manifest] = [{"name": "run", "emptyDir": {}}, {"name": "scratch", "emptyDir": {}}]
     mounts: list[Manifest] = [{"name": "run", "mountPath": RUN_DIR}, {"name": "scratch", "mountPath": SCRATCH_DIR}]
     model_volume, model_mounts = _model_volume(spec)
     if model_volume:
         volumes.append(model_volume)
+    secret_volumes, secret_mounts = credentials.volumes(spec, router=False)  # the frontend's alone
+    volumes += secret_volumes
     containers = [_executor(spec, mounts + model_mounts), _block_manager(spec, mounts),
-                  _frontend(spec, mounts + model_mounts, grpc_probes)]
+                  _frontend(spec, mounts + model_mounts + secret_mounts, grpc_probes)]
     pod_spec: Manifest = {
         "containers": containers,
         "volumes": volumes,
@@ -218,7 +246,7 @@ def build_pod_template(name: str, spec: Mapping[str, Any], grpc_probes: bool = F
                 "priorityClassName", "runtimeClassName"):
         if spec.get(key):
             pod_spec[key] = spec[key]
-    return {"metadata": {"labels": labels(name)}, "spec": pod_spec}
+    return {"metadata": _template_metadata(labels(name), secrets_digest), "spec": pod_spec}
 
 
 def _env(spec: Mapping[str, Any]) -> list[Manifest]:
@@ -302,12 +330,15 @@ def _frontend(spec: Mapping[str, Any], mounts: list[Manifest], grpc_probes: bool
             "--preemption-mode", scheduler.get("preemptionMode", "recompute"),
             "--stream-interval", str(scheduler.get("streamInterval", 1)),
             "--spare-lookahead", str(scheduler.get("spareLookahead", 8)),
-            "--ttft-slo-ms", str(slo.get("ttftMs", 2000)), "--tpot-slo-ms", str(slo.get("tpotMs", 200))]
+            "--ttft-slo-ms", str(slo.get("ttftMs", 2000)), "--tpot-slo-ms", str(slo.get("tpotMs", 200)),
+            *credentials.public_args(spec)]  # both listeners, gRPC and HTTP
     resources = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
     http = {"port": "metrics", "scheme": "HTTP"}
     # the gRPC health service says NOT_SERVING until the engine runs, as /readyz does; the sidecars listen
-    # on unix sockets, which gRPC probes cannot reach: they keep their exec probes
-    ready = {"grpc": {"port": GRPC_PORT}} if grpc_probes else {"httpGet": {**http, "path": "/readyz"}}
+    # on unix sockets, which gRPC probes cannot reach: they keep their exec probes. A kubelet's gRPC probe
+    # speaks no TLS: with TLS on, /readyz on the plain metrics port answers for the same state
+    grpc_ready = grpc_probes and not credentials.tls_on(spec)
+    ready = {"grpc": {"port": GRPC_PORT}} if grpc_ready else {"httpGet": {**http, "path": "/readyz"}}
     return {
         **_container("frontend", args, spec, mounts, resources),
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},

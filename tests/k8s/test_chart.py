@@ -47,6 +47,12 @@ VALUE_SETS: dict[str, Obj] = {
     "monitoring-on": {"monitoring": {"podMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
                       "otlp": {"endpoint": "http://otel-collector:4317"}},
     "ha-operator-all-namespaces": {"operator": {"replicas": 2, "allNamespaces": True}, "model": {"enabled": False}},
+    "secured": {"model": {
+        "auth": {"apiKeysSecretRef": {"name": "llm-keys"}, "cacheSaltSecretRef": {"name": "llm-salt", "key": "salt"}},
+        "tls": {"secretName": "llm-tls", "clientCASecretName": "llm-clients"},
+        "networkPolicy": {"publicFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
+                          "podsFrom": [{"ipBlock": {"cidr": "10.8.0.0/16"}}], "monitoringNamespace": "monitoring"},
+        "disruptionBudget": {"maxUnavailable": 2}}},
 }
 
 
@@ -131,6 +137,21 @@ def test_router_values_reach_the_model_and_the_notes_say_where_each_api_is(crds:
     assert "port-forward svc/rel-pagedserve 50051:50051 8000:8000" in notes and "-pods" not in notes
 
 
+def test_security_values_reach_the_model(tmp_path: Path) -> None:
+    (model,) = [d for d in render(tmp_path, VALUE_SETS["secured"]) if d["kind"] == "PagedModel"]
+    wanted = VALUE_SETS["secured"]["model"]
+    assert model["spec"]["auth"] == wanted["auth"] and model["spec"]["tls"] == wanted["tls"]
+    assert model["spec"]["networkPolicy"] == {
+        "enabled": True, "publicFrom": wanted["networkPolicy"]["publicFrom"],
+        "podsFrom": wanted["networkPolicy"]["podsFrom"],
+        "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}
+    assert model["spec"]["disruptionBudget"] == {"enabled": True, "maxUnavailable": 2}
+    (default,) = [d for d in render(tmp_path, {}) if d["kind"] == "PagedModel"]
+    assert "auth" not in default["spec"] and "tls" not in default["spec"]  # plain unless asked
+    assert default["spec"]["networkPolicy"] == {"enabled": True}  # guarded by default: the CRD fills in the rest
+    assert default["spec"]["disruptionBudget"] == {"enabled": True, "maxUnavailable": 1}
+
+
 def test_monitoring_renders_only_where_the_cluster_has_the_api(tmp_path: Path) -> None:
     values = VALUE_SETS["monitoring-on"]
     without = {d["kind"] for d in render(tmp_path, values)}
@@ -138,7 +159,9 @@ def test_monitoring_renders_only_where_the_cluster_has_the_api(tmp_path: Path) -
     docs = render(tmp_path, values, "--api-versions", "monitoring.coreos.com/v1/PodMonitor")
     (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
     assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
-    assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "model"
+    assert monitor["spec"]["selector"]["matchExpressions"] == [
+        {"key": "app.kubernetes.io/component", "operator": "In", "values": ["model", "router"]}]
+    assert monitor["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True  # the router's `pod` label
     (dashboard,) = [d for d in docs if d["kind"] == "ConfigMap"]
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dashboard["data"]["pagedserve.json"])["panels"]
@@ -156,6 +179,10 @@ def test_monitoring_renders_only_where_the_cluster_has_the_api(tmp_path: Path) -
     ({"otlp": {"endpoint": "otel:4317"}}, "/otlp/endpoint"),
     ({"model": {"router": {"policy": "fastest"}}}, "/model/router/policy"),
     ({"model": {"router": {"replicas": 0}}}, "/model/router/replicas"),
+    ({"model": {"tls": {"clientCASecretName": "clients"}}}, "/model/tls"),  # mutual TLS is TLS first
+    ({"model": {"auth": {"apiKeysSecretRef": {"name": "Not_A_Name"}}}}, "/model/auth/apiKeysSecretRef/name"),
+    ({"model": {"disruptionBudget": {"maxUnavailable": 0}}}, "/model/disruptionBudget/maxUnavailable"),
+    ({"model": {"networkPolicy": {"monitoringNamespace": "Monitoring"}}}, "/model/networkPolicy/monitoringNamespace"),
 ])
 def test_wrong_values_fail_at_install_with_the_field_named(values: Obj, message: str, tmp_path: Path) -> None:
     result = helm("template", "rel", str(CHART), "-f", values_file(tmp_path, values), check=False)

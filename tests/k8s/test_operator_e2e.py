@@ -113,6 +113,16 @@ class Scenario:
         items = self.get("events", "")["items"]
         return [e for e in items if e.get("reason") == reason and e["involvedObject"]["kind"] == "PagedModel"]
 
+    def passes(self) -> int:
+        return int(self.status().get("observedPasses", 0))
+
+    def wait_passes(self, count: int) -> None:
+        """Until the operator has made `count` more passes over the model (status.observedPasses): each pass
+        decides, so a size that holds through them held through `count` decisions."""
+        start = self.passes()
+        wait_for(lambda: self.passes() >= start + count, f"{count} passes of the operator ({self.diagnostics()})",
+                 timeout=30 + 10 * count * INTERVAL_S)
+
     def diagnostics(self) -> str:
         logs = "".join(self.operator_log(p)[-3000:] for p in self.operators)
         return f"operator logs (tails):\n{logs}\nstatus: {self.status()}"
@@ -172,10 +182,12 @@ def scenario(cluster: Any, kubelet: Any, tiny_chat_model_dir: Path) -> Iterator[
         yield s
     finally:
         s.kubectl("delete", "pagedmodel", "--all", "--wait=false", check=False)
-        time.sleep(2)  # the operator removes its finalizer before it goes
-        for priority in list(s.operators):
-            s.stop_operator(priority)
-        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        try:  # the operator removes its finalizer before it goes
+            wait_for(lambda: not s.get("pagedmodels", "")["items"], "the operator releasing the models")
+        finally:
+            for priority in list(s.operators):
+                s.stop_operator(priority)
+            cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
 def test_invalid_resources_are_refused_by_the_api_server(scenario: Scenario) -> None:
@@ -265,7 +277,7 @@ def test_load_scales_up_a_policy_edit_missing_metrics_and_idleness_scale_down(sc
         patch_policy(scenario, stabilizationWindowSeconds=3600)
     assert load.completed > 0 and not load.errors, load.errors
     wait_for(lambda: scenario.status().get("blockPressure") == 0, "the load gone from the metrics")
-    time.sleep(8)  # twice the policy's original window and more than its cooldown
+    scenario.wait_passes(8)  # eight decisions: over twice the policy's original window and its cooldown
     assert scenario.status()["desiredReplicas"] == 2 and not scenario.events("ScaledDown"), scenario.diagnostics()
 
     # a pod whose /metrics cannot be read holds the size, although the short window would now scale down
@@ -275,7 +287,7 @@ def test_load_scales_up_a_policy_edit_missing_metrics_and_idleness_scale_down(sc
         patch_policy(scenario, stabilizationWindowSeconds=2)
         wait_for(lambda: scenario.condition("MetricsAvailable").get("status") == "False", "MetricsAvailable=False")
         assert scenario.events("MetricsUnavailable")
-        time.sleep(6)
+        scenario.wait_passes(6)  # three times the short window: each of these decisions held
         assert scenario.status()["desiredReplicas"] == 2 and not scenario.events("ScaledDown"), scenario.diagnostics()
     finally:
         os.kill(frozen, signal.SIGCONT)
@@ -298,12 +310,12 @@ def test_a_standby_operator_takes_over_and_changes_nothing(scenario: Scenario) -
     # a kopf operator starts paused and resumes only when no peer of a higher priority is alive
     wait_for(lambda: sorted(p["priority"] for p in scenario.get("kopfpeering", "pagedserve")["status"].values())
              == [50, 100], "both operators in the peering")
-    time.sleep(3 * INTERVAL_S)
+    scenario.wait_passes(3)  # the working operator's passes: the standby had that long to interfere
     assert "Resuming operations" not in scenario.operator_log(50) and "processed" not in scenario.operator_log(50)
     scenario.stop_operator(100)
     wait_for(lambda: "Resuming operations after the pause" in scenario.operator_log(50), "the standby taking over")
     wait_for(lambda: "Resuming is processed" in scenario.operator_log(50), "the standby resumed the model")
-    time.sleep(5 * INTERVAL_S)
+    scenario.wait_passes(5)  # the standby's own loop: five passes that change nothing
     after = scenario.get("deployment", "tiny")
     assert after["metadata"]["generation"] == before["metadata"]["generation"]
     assert after["spec"] == before["spec"]
@@ -347,6 +359,36 @@ def test_a_missing_policy_holds_the_size_and_says_so(scenario: Scenario) -> None
     assert scenario.condition("ScalingLimited")["status"] == "True" and scenario.status()["desiredReplicas"] == 1
     scenario.kubectl("patch", "pm", "tiny", "--type=merge", "-p", '{"spec": {"autoscaling": {"policyRef": "fast"}}}')
     wait_for(lambda: scenario.condition("ScalingLimited").get("status") == "False", "the policy found again")
+
+
+def test_an_hpa_on_the_model_stops_the_scaling_until_it_goes(scenario: Scenario) -> None:
+    """Two autoscalers on one scale subresource would fight over the size (kserve issue 4996): the operator
+    detects the HPA, holds, says so once, and resumes when it goes. The test control plane (1.20) serves no
+    autoscaling/v2: the operator reads HPAs through v1 here."""
+    account = f"--as=system:serviceaccount:{scenario.namespace}:pagedserve-operator"
+    assert scenario.kubectl("auth", "can-i", "list", "horizontalpodautoscalers.autoscaling", account).strip() == "yes"
+    assert scenario.kubectl("auth", "can-i", "patch", "horizontalpodautoscalers.autoscaling", account,
+                            check=False).strip() == "no"
+    desired, replicas = scenario.status()["desiredReplicas"], scenario.get("deployment", "tiny")["spec"]["replicas"]
+    scenario.apply({"apiVersion": "autoscaling/v1", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "rival"},
+                    "spec": {"scaleTargetRef": {"apiVersion": "pagedserve.io/v1alpha1", "kind": "PagedModel",
+                                                "name": "tiny"},
+                             "minReplicas": 1, "maxReplicas": 2, "targetCPUUtilizationPercentage": 80}})
+    wait_for(lambda: scenario.condition("ScalingConflict").get("status") == "True", "ScalingConflict=True")
+    conflict = scenario.condition("ScalingConflict")
+    assert conflict["reason"] == "HorizontalPodAutoscaler" and "HorizontalPodAutoscaler rival " in conflict["message"]
+    (event,) = wait_for(lambda: scenario.events("ScalingConflict"), "the ScalingConflict Event")
+    assert event["type"] == "Warning" and event["message"] == conflict["message"]
+    scenario.wait_passes(3)
+    (event,) = scenario.events("ScalingConflict")  # once per conflict, not once a pass
+    assert event.get("count", 1) == 1, event
+    assert scenario.status()["desiredReplicas"] == desired
+    assert scenario.condition("ScalingLimited")["message"] == f"{conflict['message']}: holding {desired}"
+    assert scenario.get("deployment", "tiny")["spec"]["replicas"] == replicas
+    scenario.kubectl("delete", "hpa", "rival")
+    wait_for(lambda: scenario.condition("ScalingConflict").get("status") == "False", "ScalingConflict=False")
+    assert scenario.condition("ScalingConflict")["reason"] == "NoConflict"
+    assert "HorizontalPodAutoscaler" not in scenario.condition("ScalingLimited")["message"]
 
 
 def test_kubectl_scale_drives_a_model_without_autoscaling(scenario: Scenario) -> None:

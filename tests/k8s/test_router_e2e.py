@@ -135,10 +135,12 @@ def routed(cluster: Any, kubelet: Any, tiny_chat_model_dir: Path) -> Iterator[Ro
         yield r
     finally:
         r.kubectl("delete", "pagedmodel", "--all", "--wait=false", check=False)
-        time.sleep(2)  # the operator removes its finalizer before it goes
-        r.stop_operator()
-        cluster.kubectl("delete", "pods", "--all", "-n", namespace, "--wait=false", check=False)
-        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        try:  # the operator removes its finalizer before it goes
+            wait_for(lambda: not r.get("pagedmodels", "")["items"], "the operator releasing the models", timeout=30)
+        finally:
+            r.stop_operator()
+            cluster.kubectl("delete", "pods", "--all", "-n", namespace, "--wait=false", check=False)
+            cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
 def test_one_channel_to_the_router_spreads_requests_over_the_pods(routed: Routed) -> None:
@@ -193,7 +195,7 @@ def test_a_deleted_pod_costs_no_request(routed: Routed) -> None:
     thread = threading.Thread(target=client, daemon=True)
     thread.start()
     try:
-        time.sleep(2)
+        wait_for(lambda: sent[victim_address] >= 1, "a request served by the pod to delete", timeout=30)
         routed.kubectl("delete", "pod", victim, "--wait=false")
         wait_for(lambda: routed.get("pod", victim) is None, "the pod gone", timeout=60)
         counted = sum(sent.values())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.operator.handlers import autoscaling, desired_replicas, merge_conditions, parse_time
+from pagedserve.operator.model_loop import autoscaling, desired_replicas, merge_conditions, parse_time
 from pagedserve.operator.scrape import PodMetrics, observe, parse_pod_metrics
 
 
@@ -53,11 +53,11 @@ def test_replicas_come_from_the_spec_when_manual_and_from_the_autoscaler_within_
 
 
 def test_conditions_keep_their_transition_time_until_they_flip() -> None:
-    first = merge_conditions([], [("Ready", False, "ReplicasNotReady", "0/1 pods ready")])
-    (ready,) = first
-    assert ready["status"] == "False" and parse_time(ready["lastTransitionTime"]) is not None
+    now = "2030-01-01T00:00:00Z"
+    (ready,) = merge_conditions([], [("Ready", False, "ReplicasNotReady", "0/1 pods ready")], now)
+    assert ready["status"] == "False" and ready["lastTransitionTime"] == now and parse_time(now) is not None
     old = [{**ready, "lastTransitionTime": "2020-01-01T00:00:00Z"}]
-    (same,) = merge_conditions(old, [("Ready", False, "ReplicasNotReady", "0/2 pods ready")])
+    (same,) = merge_conditions(old, [("Ready", False, "ReplicasNotReady", "0/2 pods ready")], now)
     assert same["lastTransitionTime"] == "2020-01-01T00:00:00Z" and same["message"] == "0/2 pods ready"
-    (flipped,) = merge_conditions(old, [("Ready", True, "AllReplicasReady", "1/1 pods ready")])
-    assert flipped["status"] == "True" and flipped["lastTransitionTime"] != "2020-01-01T00:00:00Z"
+    (flipped,) = merge_conditions(old, [("Ready", True, "AllReplicasReady", "1/1 pods ready")], now)
+    assert flipped["status"] == "True" and flipped["lastTransitionTime"] == now
