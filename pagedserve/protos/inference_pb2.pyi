@@ -495,6 +495,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     CACHE_IDENTITY_FIELD_NUMBER: _builtins.int
+    HTTP_PORT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     digest: _builtins.str
     max_model_len: _builtins.int
@@ -506,6 +507,8 @@ class ModelInfo(_message.Message):
     device: _builtins.str
     kv_cache_dtype: _builtins.str
     """of the KV cache: the weights' dtype, or bfloat16 under float32 weights"""
+    http_port: _builtins.int
+    """the pod's OpenAI-compatible HTTP API on its host (0: it serves none)"""
     @_builtins.property
     def cache_identity(self) -> Global___CacheIdentity: ...
     def __init__(
@@ -521,10 +524,11 @@ class ModelInfo(_message.Message):
         device: _builtins.str = ...,
         kv_cache_dtype: _builtins.str = ...,
         cache_identity: Global___CacheIdentity | None = ...,
+        http_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cache_identity", b"cache_identity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "cache_identity", b"cache_identity", "device", b"device", "digest", b"digest", "dtype", b"dtype", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "name", b"name", "num_blocks", b"num_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "cache_identity", b"cache_identity", "device", b"device", "digest", b"digest", "dtype", b"dtype", "http_port", b"http_port", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "name", b"name", "num_blocks", b"num_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

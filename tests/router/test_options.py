@@ -46,3 +46,13 @@ def test_files_are_loaded_at_startup(tmp_path: Path) -> None:
         load_settings(parse("--cache-salt-secret-file", str(tmp_path / "short")))
     with pytest.raises(RouterConfigError, match="--pod-tls-"):
         load_settings(parse("--pod-tls-cert", str(tmp_path / "key")))
+
+
+def test_http_listen_and_the_pods_https(tmp_path: Path) -> None:
+    assert parse().http_listen == "" and load_settings(parse()).pod_ssl is None
+    assert load_settings(parse("--http-listen", "127.0.0.1:8000")).pod_ssl is None
+    with pytest.raises(RouterConfigError, match=r"--http-listen '8000': expected HOST:PORT"):
+        load_settings(parse("--http-listen", "8000"))
+    (tmp_path / "not-a-ca.pem").write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+    with pytest.raises(RouterConfigError, match="--pod-tls-\\*: cannot load them for HTTPS"):
+        load_settings(parse("--pod-tls-ca", str(tmp_path / "not-a-ca.pem")))

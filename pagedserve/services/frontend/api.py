@@ -9,7 +9,7 @@ pod's load (kv_relay.py).
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,12 +38,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     """Registered before the server starts (gRPC requires it); answers UNAVAILABLE until `attach`. With
     `keys`, generation needs a listed key on any listener (the public one's interceptor guards the rest).
     `serving`: the state shared with the HTTP API (one is made from `keys` and `limits` when not given).
-    `kv_events`: the relay of the block manager's KV events (SubscribeKvEvents is UNAVAILABLE without one)."""
+    `kv_events`: the relay of the block manager's KV events (SubscribeKvEvents is UNAVAILABLE without one).
+    `http_port`: the port of this process's HTTP API once it listens (ListModels tells a router; 0: none)."""
 
     def __init__(self, keys: ApiKeys | None = None, limits: ApiLimits | None = None,
-                 serving: Serving | None = None, kv_events: KvEventRelay | None = None) -> None:
+                 serving: Serving | None = None, kv_events: KvEventRelay | None = None,
+                 http_port: Callable[[], int] = lambda: 0) -> None:
         self.serving = serving or Serving(keys, limits)
         self.kv_events = kv_events
+        self.http_port = http_port
 
     def attach(self, backend: Backend) -> None:
         self.serving.attach(backend)
@@ -145,6 +148,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             name=i.model, digest=i.model_digest, max_model_len=i.max_model_len, vocab_size=i.vocab_size,
             block_size=i.block_size, num_blocks=i.num_blocks, dtype=i.dtype, device=i.device,
             kv_cache_dtype=i.cache_dtype, cache_identity=cache_identity_to_proto(self.loop.engine.identity),
+            http_port=self.http_port(),
         )])
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:

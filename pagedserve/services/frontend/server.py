@@ -21,7 +21,7 @@ from ..block_manager.client import RemoteBlockManager
 from ..common.addresses import is_local_address
 from ..common.cache_identity import CacheIdentity
 from ..common.cache_salt import CacheSaltSecretError
-from ..common.grpc_server import GrpcService, Listener, run, serve_until_signalled
+from ..common.grpc_server import GrpcService, run, serve_until_signalled
 from ..common.http_server import HttpService, HttpTls, parse_listen
 from ..common.processes import wait_serving
 from ..common.tls import TlsConfigError
@@ -151,14 +151,15 @@ async def serve(args: argparse.Namespace, settings: PublicSettings) -> None:
     local = [GrpcService(args.local_listen, [SERVICE_NAME])] if args.local_listen else []
     serving = Serving(settings.keys, settings.limits, settings.cache_salt_secret)  # one engine, salt secret, count
     relay = KvEventRelay(args.block_manager)
-    servicer = InferenceServicer(serving=serving, kv_events=relay)
-    for each in (service, *local):
-        pb_grpc.add_InferenceServicer_to_server(servicer, each.server)
-    service.on_stop.append(relay.close)  # the relayed event streams never end by themselves
-    http: list[Listener] = []
+    http: list[HttpService] = []
     if args.http_listen:  # answers 503 until the warm-up attaches the engine
         tls = HttpTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
         http.append(HttpService(build_app(serving, settings.max_message_bytes), args.http_listen, tls))
+    # ListModels names the HTTP port (bound by then: the listeners start before the warm-up), for a router
+    servicer = InferenceServicer(serving=serving, kv_events=relay, http_port=lambda: http[0].port if http else 0)
+    for each in (service, *local):
+        pb_grpc.add_InferenceServicer_to_server(servicer, each.server)
+    service.on_stop.append(relay.close)  # the relayed event streams never end by themselves
 
     event_loop = asyncio.get_running_loop()
 

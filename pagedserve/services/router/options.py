@@ -10,12 +10,14 @@ SubscribeKvEvents; a forwarded request carries its caller's key instead).
 from __future__ import annotations
 
 import argparse
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from ..common.cache_salt import load_secret
+from ..common.http_server import parse_listen
 from ..common.tls import TlsConfigError, channel_credentials, server_credentials
 from ..frontend.auth import ApiKeys
 from ..frontend.public_options import DEFAULT_MAX_MESSAGE_BYTES, positive_int
@@ -24,6 +26,9 @@ from .choice import POLICIES
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:50050", help="the public gRPC API: HOST:PORT or unix:PATH")
+    parser.add_argument("--http-listen", default="", metavar="HOST:PORT",
+                        help="also serve the OpenAI-compatible HTTP API here, forwarding to the pods' own (off if "
+                             "empty); TLS and keys as gRPC's")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus /metrics on this port, on --listen's host (0: off)")
     parser.add_argument("--endpoints", type=endpoint_list, default=[], metavar="ADDR,ADDR,...",
@@ -80,6 +85,7 @@ class RouterSettings:
     max_message_bytes: int
     pod_credentials: grpc.ChannelCredentials | None
     pod_metadata: tuple[tuple[str, str], ...]  # the router's own calls to the pods
+    pod_ssl: ssl.SSLContext | None = None  # the pods' HTTP APIs: HTTPS with the same CA and client certificate
 
 
 def load_settings(args: argparse.Namespace) -> RouterSettings:
@@ -89,21 +95,39 @@ def load_settings(args: argparse.Namespace) -> RouterSettings:
         raise RouterConfigError("--endpoints and --kubernetes-service: give one of them (the pods come from either)")
     if args.namespace and not args.kubernetes_service:
         raise RouterConfigError("--namespace is --kubernetes-service's: give that too")
+    if args.http_listen:
+        try:
+            parse_listen(args.http_listen)
+        except ValueError as exc:
+            raise RouterConfigError(f"--http-listen {exc}") from None
     credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     keys = ApiKeys.load(args.api_keys_file) if args.api_keys_file else None
     secret = load_secret(args.cache_salt_secret_file) if args.cache_salt_secret_file else None
-    pod_credentials = None
+    pod_credentials, pod_ssl = None, None
     if args.pod_tls_ca or args.pod_tls_cert or args.pod_tls_key:
         try:
             pod_credentials = channel_credentials(args.pod_tls_ca, args.pod_tls_cert, args.pod_tls_key)
         except TlsConfigError as exc:  # its messages name the client's flags: --tls-ca is --pod-tls-ca here
             raise RouterConfigError(f"--pod-tls-*: {exc}") from None
+        pod_ssl = _pod_ssl(args.pod_tls_ca, args.pod_tls_cert, args.pod_tls_key)
     pod_metadata = (("authorization", f"Bearer {_read_key(args.pod_api_key_file)}"),) if args.pod_api_key_file else ()
-    return RouterSettings(credentials, keys, secret, args.max_message_bytes, pod_credentials, pod_metadata)
+    return RouterSettings(credentials, keys, secret, args.max_message_bytes, pod_credentials, pod_metadata, pod_ssl)
 
 
 class RouterConfigError(ValueError):
     """A flag of the router's own that names a bad file: the message names the flag, never a key."""
+
+
+def _pod_ssl(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
+    """The client TLS of the router's HTTP calls to the pods, from the files the gRPC credentials were read from
+    (already checked to be PEM, the certificate and key given together)."""
+    try:
+        context = ssl.create_default_context(cafile=ca)
+        if cert and key:
+            context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise RouterConfigError(f"--pod-tls-*: cannot load them for HTTPS ({exc})") from None
+    return context
 
 
 def _read_key(path: str) -> str:

@@ -3,6 +3,8 @@
 Its own process, without torch (it loads the model's tokenizer only, to hash prompts). It starts listening at once
 (health NOT_SERVING, requests answered UNAVAILABLE naming why no pod can take them), starts one watcher per pod
 (watcher.py), and reports SERVING while at least one pod is in sync (fleet.py), NOT_SERVING again while none is.
+With `--http-listen` the same process serves the OpenAI-compatible HTTP API (http_api.py) over the same fleet,
+forwarding to the pods' own HTTP APIs, on the same event loop.
 
 The tokenizer is `--model`'s, or else the model the first accepted pod names (when this machine resolves the name).
 Either way it is used only once it is known to be the fleet's (the weights digest and chat template of the fleet's
@@ -28,6 +30,7 @@ from ...protos import inference_pb2 as pb
 from ...protos import inference_pb2_grpc as pb_grpc
 from ..common.cache_salt import CacheSaltSecretError
 from ..common.grpc_server import GrpcService, run, serve_until_signalled
+from ..common.http_server import HttpService, HttpTls
 from ..common.tls import TlsConfigError
 from ..executor.model.registry import ModelSource, resolve_model
 from ..executor.model.tokenizer import load_tokenizer
@@ -35,6 +38,8 @@ from ..frontend.auth import ApiKeyInterceptor, KeysFileError
 from .choice import Chooser
 from .endpoint_slices import Endpoints, EndpointSliceWatcher, default_namespace
 from .fleet import Fleet
+from .http_api import HttpRouting, build_app
+from .http_upstream import PodHttp
 from .options import RouterConfigError, RouterSettings, add_arguments, load_settings
 from .request_blocks import RequestHasher
 from .servicer import RouterServicer
@@ -166,7 +171,18 @@ async def serve(args: argparse.Namespace, settings: RouterSettings) -> None:
     metrics = RouterMetrics(fleet)
     tokenizer = TokenizerAdoption(hasher, fleet, args.model)
     pb_grpc.add_InferenceServicer_to_server(RouterServicer(fleet, channels, hasher, metrics), service.server)
-    members = Members(fleet, channels, settings, tokenizer.on_model)
+    pod_http = PodHttp(settings.pod_ssl)
+    http: list[HttpService] = []
+    if args.http_listen:
+        tls = HttpTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+        routing = HttpRouting(fleet, pod_http, hasher, metrics, settings.keys)
+        http.append(HttpService(build_app(routing, settings.max_message_bytes), args.http_listen, tls))
+
+    def on_model(pod: str, model: pb.ModelInfo) -> None:
+        pod_http.on_model(pod, model)
+        tokenizer.on_model(pod, model)
+
+    members = Members(fleet, channels, settings, on_model)
     slices = (EndpointSliceWatcher(args.kubernetes_service, namespace, members.update)
               if args.kubernetes_service else None)
 
@@ -188,12 +204,13 @@ async def serve(args: argparse.Namespace, settings: RouterSettings) -> None:
         metrics.serve(host, args.metrics_port)
         log.info("metrics on http://%s:%d/metrics", host, args.metrics_port)
     try:
-        await serve_until_signalled(service, warm_up=warm_up)
+        await serve_until_signalled(service, warm_up=warm_up, also=http)
     finally:
         if slices is not None:
             slices.stop()
         members.close()
         await channels.close()
+        await pod_http.close()
 
 
 _background: set[asyncio.Task[None]] = set()  # held until done: the loop keeps only weak references to tasks
