@@ -127,12 +127,13 @@ def public_args(spec: Mapping[str, Any]) -> list[str]:
     return args
 
 
-def router_pod_args(spec: Mapping[str, Any]) -> list[str]:
-    """The router's side towards the pods: it verifies them with the certificate's CA, presents the same
-    certificate where they ask for one (mutual TLS), and calls with its own key."""
+def router_pod_args(name: str, namespace: str, spec: Mapping[str, Any]) -> list[str]:
+    """The router's side towards the pods: it verifies them with the certificate's CA against the certificate's
+    name (it dials them by IP, which the shared certificate cannot list), presents the same certificate where
+    they ask for one (mutual TLS), and calls with its own key."""
     args: list[str] = []
     if tls_on(spec):
-        args += ["--pod-tls-ca", f"{TLS_DIR}/ca.crt"]
+        args += ["--pod-tls-ca", f"{TLS_DIR}/ca.crt", "--pod-tls-server-name", server_name(name, namespace, spec)]
         if tls(spec).get("clientCASecretName"):
             args += ["--pod-tls-cert", f"{TLS_DIR}/tls.crt", "--pod-tls-key", f"{TLS_DIR}/tls.key"]
     if auth(spec).get("apiKeysSecretRef"):

@@ -23,7 +23,7 @@ from .specs import GRPC_PORT, HTTP_PORT, METRICS_PORT, Manifest, metadata, route
 
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/component": "operator"}
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set on every namespace by the API server from 1.21
-ROUTER_SERVES = {"grpc": GRPC_PORT}  # the pod ports the router forwards to (the HTTP API is still the pods')
+ROUTER_SERVES = {"grpc": GRPC_PORT, "http": HTTP_PORT}  # the pod ports the router forwards to
 POD_PUBLIC_PORTS = {"grpc": GRPC_PORT, "http": HTTP_PORT}
 
 

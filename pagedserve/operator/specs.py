@@ -88,12 +88,9 @@ def router_name(name: str) -> str:
 
 
 def build_service(name: str, namespace: str, uid: str, spec: Mapping[str, Any] | None = None) -> Manifest:
-    """The model's public Service: its routers (gRPC and their /metrics), or its pods when the router is off."""
-    if spec is not None and router_enabled(spec):
-        target, ports = selector(name, "router"), [_port("grpc", GRPC_PORT), _port("metrics", METRICS_PORT)]
-    else:
-        target = selector(name)
-        ports = [_port("grpc", GRPC_PORT), _port("http", HTTP_PORT), _port("metrics", METRICS_PORT)]
+    """The model's public Service: its routers (gRPC, HTTP and their /metrics), or its pods when the router is off."""
+    target = selector(name, "router") if spec is not None and router_enabled(spec) else selector(name)
+    ports = [_port("grpc", GRPC_PORT), _port("http", HTTP_PORT), _port("metrics", METRICS_PORT)]
     return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(name, namespace, uid),
             "spec": {"type": "ClusterIP", "selector": target, "ports": ports}}
 
@@ -135,15 +132,17 @@ def build_router_deployment(name: str, namespace: str, uid: str, spec: Mapping[s
     volumes: list[Manifest] = [{"name": "scratch", "emptyDir": {}}, *secret_volumes]
     mounts: list[Manifest] = [{"name": "scratch", "mountPath": SCRATCH_DIR}, *secret_mounts]
     model_volume, model_mounts = _model_volume(spec)
-    args = ["router", "--listen", f"0.0.0.0:{GRPC_PORT}", "--metrics-port", str(METRICS_PORT),
+    args = ["router", "--listen", f"0.0.0.0:{GRPC_PORT}", "--http-listen", f"0.0.0.0:{HTTP_PORT}",
+            "--metrics-port", str(METRICS_PORT),
             "--kubernetes-service", pods_service_name(name), "--namespace", namespace,
             "--policy", str(router.get("policy", "kv-aware")),
             "--model", spec["model"],  # the tokenizer it hashes prompts with (checked against the pods' identity)
-            *credentials.public_args(spec), *credentials.router_pod_args(spec)]
+            *credentials.public_args(spec), *credentials.router_pod_args(name, namespace, spec)]
     resources = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
     container = {
         **_container("router", args, spec, mounts + model_mounts, resources),
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+                  {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         **_router_probes(name, namespace, spec),
     }

@@ -124,7 +124,7 @@ class Router:
 
 @contextmanager
 def router(pods: list[HttpPod], model: Path, secrets_dir: Path, policy: str = "kv-aware",
-           endpoints: str | None = None, until_serving: bool = True) -> Iterator[Router]:
+           endpoints: str | None = None, until_serving: bool = True, extra: tuple[str, ...] = ()) -> Iterator[Router]:
     certs = certs_in(secrets_dir)
     http_port, metrics_port = free_port(), free_port()
     args = ["router", "--endpoints", ",".join(p.address for p in pods) if endpoints is None else endpoints,
@@ -132,7 +132,7 @@ def router(pods: list[HttpPod], model: Path, secrets_dir: Path, policy: str = "k
             "--metrics-port", str(metrics_port), "--api-keys-file", str(secrets_dir / "api-keys"),
             "--cache-salt-secret-file", str(secrets_dir / "salt-secret"), "--pod-api-key-file",
             str(secrets_dir / "router-key"), *tls_flags(secrets_dir), "--pod-tls-ca", str(certs.ca),
-            "--pod-tls-cert", str(certs.client_cert), "--pod-tls-key", str(certs.client_key)]
+            "--pod-tls-cert", str(certs.client_cert), "--pod-tls-key", str(certs.client_key), *extra]
     service = start_service(args, timeout=120, until_serving=False)
     try:
         # the HTTP listener starts just after the gRPC one, whose address start_service waited for
@@ -290,6 +290,23 @@ def test_a_client_that_leaves_mid_stream_frees_the_pods_blocks(pods: list[HttpPo
         cancelled = f'pagedserve_router_requests_total{{code="CANCELLED",pod="{pod.address}"}} 1.0'
         wait_for(lambda: cancelled in metrics_text(routed.metrics_port), "the router's request ended, cancelled")
         assert router_pods(routed.stub)[pod.address]["in_flight"] == 0
+
+
+def test_the_pods_certificate_is_checked_against_the_server_name_given(pods: list[HttpPod], tiny_chat_model_dir: Path,
+                                                                       secrets_dir: Path) -> None:
+    """`--pod-tls-server-name` replaces the dialled address in the check of the pods' certificate, over gRPC and
+    HTTPS: the name it lists (localhost) is served; a name it does not list leaves every pod unreachable."""
+    name = model_name(pods[0])
+    with router(pods, tiny_chat_model_dir, secrets_dir, extra=("--pod-tls-server-name", "localhost")) as routed:
+        assert routed.openai().completions.create(model=name, prompt="Hello", max_tokens=2).usage is not None
+    with router(pods, tiny_chat_model_dir, secrets_dir, until_serving=False,
+                extra=("--pod-tls-server-name", "not-the-pods.example")) as routed:
+        wait_for(lambda: all(p["phase"] == "down" for p in router_pods(routed.stub).values()),
+                 "every pod down for the router")
+        assert all("Hostname Verification Check failed" in p["reason"]
+                   for p in router_pods(routed.stub).values()), router_pods(routed.stub)
+        status, body = routed.get("/health")
+        assert status == 503, body
 
 
 def test_no_pod_to_route_to_is_a_503_that_says_why(pods: list[HttpPod], tiny_chat_model_dir: Path,

@@ -88,11 +88,16 @@ def test_the_router_serves_and_calls_with_the_same_credentials() -> None:
         "api_keys_file": ("keys", "lines"), "cache_salt_secret_file": ("salt", "cache-salt"),
         "pod_tls_ca": ("cert", "ca.crt"), "pod_tls_cert": ("cert", "tls.crt"), "pod_tls_key": ("cert", "tls.key"),
         "pod_api_key_file": ("keys", "mine")}
+    # the pods are dialled by IP: their certificate is checked against the name it carries (the public Service's)
+    assert args.pod_tls_server_name == "llm.ns.svc"
+    named = router_pod({**SECURED, "tls": {"secretName": "cert", "serverName": "llm.example.com"}})
+    assert parsed(named["spec"]["containers"][0]["args"]).pod_tls_server_name == "llm.example.com"
     # without mutual TLS the router presents no certificate to the pods; without tls, no TLS flag at all
     one_way = parsed(router_pod({**SECURED, "tls": {"secretName": "cert"}})["spec"]["containers"][0]["args"])
     assert one_way.pod_tls_ca and not one_way.pod_tls_cert and not one_way.tls_client_ca
     plain = parsed(router_pod({"model": "m"})["spec"]["containers"][0]["args"])
     assert not (plain.tls_cert or plain.pod_tls_ca or plain.api_keys_file or plain.pod_api_key_file)
+    assert not plain.pod_tls_server_name
 
 
 def test_probes_keep_working_with_tls_on() -> None:
@@ -153,11 +158,9 @@ def test_network_policies_open_each_port_to_whom_it_serves() -> None:
     operator = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "pagedserve",
                                                 "app.kubernetes.io/component": "operator"}},
                 "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}}
-    assert rules(pods) == {
-        50051: [{"podSelector": {"matchLabels": selector("llm", "router")}}, *spec["networkPolicy"]["podsFrom"]],
-        8000: None,  # the HTTP API: the router does not serve it, so the pods' own port is the front door
-        9400: [MONITORING, operator]}
-    assert rules(routers) == {50051: None, 9400: [MONITORING, operator]}  # the front door: anyone by default
+    routed = [{"podSelector": {"matchLabels": selector("llm", "router")}}, *spec["networkPolicy"]["podsFrom"]]
+    assert rules(pods) == {50051: routed, 8000: routed, 9400: [MONITORING, operator]}  # both APIs: the routers'
+    assert rules(routers) == {50051: None, 8000: None, 9400: [MONITORING, operator]}  # the front door: anyone
 
 
 def test_network_policies_narrow_the_front_door_and_follow_the_router() -> None:

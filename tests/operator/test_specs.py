@@ -176,7 +176,7 @@ def router_objects(spec: dict[str, Any] = SPEC) -> dict[str, dict[str, Any]]:
 def test_the_public_service_points_at_the_routers_and_the_pods_have_a_headless_service() -> None:
     public = build_service("llm", "ns", "uid-1", {"model": "m"})  # router.enabled defaults to true
     assert public["spec"]["selector"] == selector("llm", "router") and public["spec"]["type"] == "ClusterIP"
-    assert {p["name"]: p["port"] for p in public["spec"]["ports"]} == {"grpc": 50051, "metrics": 9400}
+    assert {p["name"]: p["port"] for p in public["spec"]["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9400}
     off = build_service("llm", "ns", "uid-1", {"model": "m", "router": {"enabled": False}})
     assert off["spec"]["selector"] == selector("llm")  # as before the router: the pods
     pods = build_pods_service("llm", "ns", "uid-1")
@@ -205,7 +205,7 @@ def test_the_router_follows_the_pods_service_with_the_policy_asked_for() -> None
     assert args.model == "/models/smollm2"
     default = parsed(router_objects()["Deployment"]["spec"]["template"]["spec"]["containers"][0])
     assert default.policy == "kv-aware" and router_objects()["Deployment"]["spec"]["replicas"] == 1
-    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": 50051, "metrics": 9400}
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9400}
 
 
 def test_the_router_pod_is_hardened_gpu_free_and_probed_by_its_health() -> None:

@@ -148,7 +148,7 @@ class _Attempt:
         """Sends the request to the pod; returns once its answer begins (status and headers)."""
         pods = self.routing.pods
         return await pods.session.post(pods.url(self.pod, self.path), data=body, allow_redirects=False,
-                                       headers=forwarded_headers(headers, self.span))
+                                       headers=forwarded_headers(headers, self.span), **pods.request_options)
 
     def end(self, code: str, usage: pb.Usage | None = None) -> None:
         if self.ticket is None:
@@ -320,7 +320,8 @@ async def list_models(request: Request) -> Response:
         pods = routing.http_pods(failed)
         pod = routing.next_turn(pods)
         try:
-            async with routing.pods.session.get(routing.pods.url(pod, "/v1/models"), headers=headers) as upstream:
+            async with routing.pods.session.get(routing.pods.url(pod, "/v1/models"), headers=headers,
+                                                **routing.pods.request_options) as upstream:
                 content = await unless_disconnected(request, upstream.read())
                 return Response(content, status_code=upstream.status,
                                 headers=answer_headers(upstream.headers.items()) | {POD_HEADER: pod})

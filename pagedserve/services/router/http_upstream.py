@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Iterable
+from typing import Any
 
 import aiohttp
 from opentelemetry import propagate, trace
@@ -32,10 +33,12 @@ CONNECT_TIMEOUT_S = 5.0  # no overall limit: a request may wait its turn and gen
 class PodHttp:
     """Each pod's HTTP port (from its ListModels) and the one HTTP client the router reaches them with."""
 
-    def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, ssl_context: ssl.SSLContext | None = None, server_name: str = "") -> None:
         self.ports: dict[str, int] = {}
         self.scheme = "https" if ssl_context is not None else "http"
         self._ssl = ssl_context
+        # each request's options: the name the pods' certificate is checked against (`--pod-tls-server-name`)
+        self.request_options: dict[str, Any] = {"server_hostname": server_name} if server_name else {}
         self._session: aiohttp.ClientSession | None = None
 
     def on_model(self, pod: str, model: pb.ModelInfo) -> None:

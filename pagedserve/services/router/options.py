@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pods.add_argument("--pod-tls-ca", metavar="PEM", help="the pods serve TLS: verify them with this CA")
     pods.add_argument("--pod-tls-cert", metavar="PEM", help="mutual TLS to the pods: the router's certificate")
     pods.add_argument("--pod-tls-key", metavar="PEM", help="mutual TLS to the pods: its private key")
+    pods.add_argument("--pod-tls-server-name", metavar="NAME", default="",
+                      help="the name the pods' certificate is checked against (default: the pod's address, which a "
+                           "certificate shared by pods whose addresses come and go cannot list)")
     pods.add_argument("--pod-api-key-file", metavar="FILE",
                       help="a file holding the router's own key for the pods (its ListModels and KV event streams)")
 
@@ -86,6 +89,7 @@ class RouterSettings:
     pod_credentials: grpc.ChannelCredentials | None
     pod_metadata: tuple[tuple[str, str], ...]  # the router's own calls to the pods
     pod_ssl: ssl.SSLContext | None = None  # the pods' HTTP APIs: HTTPS with the same CA and client certificate
+    pod_server_name: str = ""  # the name the pods' certificate is checked against ("": the address dialled)
 
 
 def load_settings(args: argparse.Namespace) -> RouterSettings:
@@ -110,8 +114,11 @@ def load_settings(args: argparse.Namespace) -> RouterSettings:
         except TlsConfigError as exc:  # its messages name the client's flags: --tls-ca is --pod-tls-ca here
             raise RouterConfigError(f"--pod-tls-*: {exc}") from None
         pod_ssl = _pod_ssl(args.pod_tls_ca, args.pod_tls_cert, args.pod_tls_key)
+    if args.pod_tls_server_name and pod_credentials is None:
+        raise RouterConfigError("--pod-tls-server-name is for TLS to the pods: give --pod-tls-ca too")
     pod_metadata = (("authorization", f"Bearer {_read_key(args.pod_api_key_file)}"),) if args.pod_api_key_file else ()
-    return RouterSettings(credentials, keys, secret, args.max_message_bytes, pod_credentials, pod_metadata, pod_ssl)
+    return RouterSettings(credentials, keys, secret, args.max_message_bytes, pod_credentials, pod_metadata, pod_ssl,
+                          args.pod_tls_server_name)
 
 
 class RouterConfigError(ValueError):

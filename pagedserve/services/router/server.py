@@ -166,12 +166,12 @@ async def serve(args: argparse.Namespace, settings: RouterSettings) -> None:
                if args.kubernetes_service else "the router has no endpoints (--endpoints is empty)")
     fleet = Fleet(args.endpoints, Chooser(args.policy),
                   on_availability=lambda available: _soon(service.follow(available)), no_pods=no_pods)
-    channels = PodChannels(args.endpoints, settings.pod_credentials)
+    channels = PodChannels(args.endpoints, settings.pod_credentials, settings.pod_server_name)
     hasher = RequestHasher(settings.keys, settings.cache_salt_secret)
     metrics = RouterMetrics(fleet)
     tokenizer = TokenizerAdoption(hasher, fleet, args.model)
     pb_grpc.add_InferenceServicer_to_server(RouterServicer(fleet, channels, hasher, metrics), service.server)
-    pod_http = PodHttp(settings.pod_ssl)
+    pod_http = PodHttp(settings.pod_ssl, settings.pod_server_name)
     http: list[HttpService] = []
     if args.http_listen:
         tls = HttpTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None

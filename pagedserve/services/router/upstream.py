@@ -28,10 +28,12 @@ TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
 
 
 class PodChannels:
-    """A channel and stub per pod address, plain or over TLS (`credentials`)."""
+    """A channel and stub per pod address, plain or over TLS (`credentials`, the pods' certificate checked against
+    `server_name` when given, else the address)."""
 
-    def __init__(self, addresses: Sequence[str], credentials: grpc.ChannelCredentials | None = None) -> None:
-        self.credentials = credentials
+    def __init__(self, addresses: Sequence[str], credentials: grpc.ChannelCredentials | None = None,
+                 server_name: str = "") -> None:
+        self.credentials, self.server_name = credentials, server_name
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.stubs: dict[str, pb_grpc.InferenceStub] = {}
         for address in addresses:
@@ -39,7 +41,7 @@ class PodChannels:
 
     def add(self, address: str) -> pb_grpc.InferenceStub:
         if address not in self.channels:
-            self.channels[address] = _channel(address, self.credentials)
+            self.channels[address] = _channel(address, self.credentials, self.server_name)
             self.stubs[address] = pb_grpc.InferenceStub(self.channels[address])
         return self.stubs[address]
 
@@ -55,10 +57,12 @@ class PodChannels:
             await channel.close(grace=None)
 
 
-def _channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+def _channel(address: str, credentials: grpc.ChannelCredentials | None, server_name: str) -> grpc.aio.Channel:
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    # pods are dialled by IP: a certificate shared by the fleet names the Service instead
+    options = [*CHANNEL_OPTIONS, *([("grpc.ssl_target_name_override", server_name)] if server_name else [])]
+    return grpc.aio.secure_channel(address, credentials, options=options)
 
 
 def forwarded_metadata(metadata: Iterable[tuple[str, Any]] | None, span: trace.Span | None = None
