@@ -52,9 +52,16 @@ class Timeline:
 class StandInRunner:
     """Holds each step for `step_s` seconds; records each in the timeline."""
 
-    def __init__(self, step_s: float, vocab_size: int, timeline: Timeline) -> None:
+    def __init__(self, step_s: float, vocab_size: int, timeline: Timeline, block_size: int = 16) -> None:
+        """`block_size`: the cache's, which an in-process port (LocalExecutor) reads off its runner."""
         self.step_s, self.vocab_size, self.timeline = step_s, vocab_size, timeline
+        self.block_size = block_size
         self.last_sampled = LastSampled()
+
+    def token_at(self, position: int) -> int:
+        """The token it samples for a position: the same for every sequence, distinct for each position below
+        the vocabulary's size (7919 is prime), so a stop token picks where a sequence ends."""
+        return 1 + position * 7919 % (self.vocab_size - 1)
 
     def reset(self) -> None:
         """The executor's Reset: no step may ask for what an earlier one sampled."""

@@ -12,6 +12,7 @@ import itertools
 import time
 from collections import deque
 
+from .growth import OutputLengths
 from .kv_client import KVClient
 from .request import FinishReason, Request, SeqStatus, Sequence, SequenceOutput, StepOutput
 
@@ -25,6 +26,7 @@ class SequenceQueues:
         self.swapped: deque[Sequence] = deque()
         self.requests: dict[str, Request] = {}
         self.fork_parents: list[Sequence] = []  # first samples of requests whose other samples are not forked
+        self.output_lengths = OutputLengths()  # of the sequences that stopped or reached their limit
         self._seq_ids = itertools.count(1)
 
     @property
@@ -98,6 +100,8 @@ class SequenceQueues:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> SequenceOutput:
         self.kv.free_later(seq)
+        if reason is not FinishReason.ABORT and seq.status is not SeqStatus.FINISHED:
+            self.output_lengths.observe(len(seq.token_ids) - seq.num_prompt_tokens)
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)

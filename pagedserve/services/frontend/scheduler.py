@@ -2,9 +2,10 @@
 
 It decides only: room first (after a running sequence got no block, the newest are preempted), then the running
 sequences within the token budget (a token per decode, a chunk per unfinished prefill), then the swapped, then
-admissions in arrival order while the blocks allow. It asks the KV client (kv_client.py) for slots, and takes
-the steady stretch's shortcuts from fast_paths.py; the queues and their moves are queues.py's. Overlapped steps:
-step N+2 is planned and its call sent (`plan`) while N runs, and applied (`apply`) once N's tokens are recorded.
+admissions in arrival order while the blocks allow, less the room the running sequences are expected to grow into
+(growth.py). It asks the KV client (kv_client.py) for slots, and takes the steady stretch's shortcuts from
+fast_paths.py; the queues and their moves are queues.py's. Overlapped steps: step N+2 is planned and its call sent
+(`plan`) while N runs, and applied (`apply`) once N's tokens are recorded.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class SchedulerConfig:
     # the steady decode step sent as `same_batch` with no rows: for an executor port that holds the last batch
     # (RemoteExecutor, LocalExecutor); see fast_paths.py
     repeat_batches: bool = True
+    # admission leaves the running sequences the blocks they are expected to grow into (growth.py); False: it
+    # admits while the free blocks cover the prompt, and preemption makes room later (to compare)
+    reserve_growth: bool = True
 
 
 @dataclass
@@ -144,16 +148,30 @@ class Scheduler(SequenceQueues):
 
     def _admit(self, room: int, budget: int) -> None:
         """Admits waiting sequences in order while they fit: the first that does not stops it (nothing starves).
-        The block manager learns only the tokens up to the target, so that a prefix hit can never make it reserve
-        (and the executor compute) a token meant for after a fork."""
+        One fits when the free blocks cover its chunk and, with `reserve_growth`, the growth expected of the
+        running sequences and of those admitted before it (growth.py); with nothing running, its chunk alone
+        decides, so a request that fits the cache is always admitted. The block manager learns only the tokens
+        up to the target, so that a prefix hit can never make it reserve (and the executor compute) a token meant
+        for after a fork."""
+        growth: int | None = None if self.config.reserve_growth and self.running else 0  # reckoned when needed
         for seq in self.waiting:
             target = self._target_len(seq)
             chunk = min(target, budget)
             blocks = self.kv.blocks_needed(seq, chunk)
             if room <= 0 or chunk <= 0 or blocks > self.kv.free_estimate or seq.num_pending:
                 break
+            if growth is None:
+                growth = self._growth(self.running)
+            if blocks + growth > self.kv.free_estimate:
+                break
             self.kv.admit(seq, seq.token_ids[:target], self._namespace(seq), chunk, blocks)
             room, budget = room - 1, budget - chunk
+            if self.config.reserve_growth:  # what it will take beyond its chunk: the rest of its prompt, its output
+                growth += self._growth([seq]) - blocks
+
+    def _growth(self, seqs: list[Sequence]) -> int:
+        """Blocks the sequences are expected to take beyond those they hold (growth.py)."""
+        return self.output_lengths.reserve(seqs, self.config.block_size, self.config.max_model_len)
 
     def _make_room(self) -> None:
         """Preempts the newest running sequences until the free blocks cover what the others' next token needs."""

@@ -1,0 +1,208 @@
+"""Admission that leaves the running sequences room to grow (services/frontend/growth.py, Scheduler._admit).
+
+The real engine, scheduler and block manager in process, in front of the executor stand-in of `bench blocks`
+(benchmarks/standin_executor.py: it samples a token per position, with no model); no EOS, so a request ends at
+its `max_tokens` unless it names a stop token. Everything is counted in engine steps, never in time. The last
+test runs the tiny real model instead: the reserve changes when a sequence runs, never what it computes."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from tiny_model import EOS, VOCAB
+
+from pagedserve.benchmarks.standin_executor import StandInRunner, Timeline
+from pagedserve.services.block_manager.manager import BlockManager
+from pagedserve.services.common.cache_identity import CacheIdentity
+from pagedserve.services.executor.engine_config import build_runner
+from pagedserve.services.executor.options import ExecutorConfig
+from pagedserve.services.frontend.engine import Engine, EngineLimits
+from pagedserve.services.frontend.growth import OutputLengths
+from pagedserve.services.frontend.ports import LocalBlockManager, LocalExecutor
+from pagedserve.services.frontend.request import GenerationParams, Request, SeqStatus
+from pagedserve.services.frontend.scheduler import Scheduler, SchedulerConfig
+
+BLOCK_SIZE = 4
+VOCAB_SIZE = 1000
+MAX_MODEL_LEN = 256
+
+
+@contextmanager
+def engine_over(num_blocks: int, reserve_growth: bool = True, watermark: float = 0.0) -> Iterator[Engine]:
+    """An engine over a cache of `num_blocks` blocks (by default no watermark: every block is admissible)."""
+    config = SchedulerConfig(BLOCK_SIZE, MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=256,
+                             reserve_growth=reserve_growth)
+    manager = BlockManager(num_blocks, BLOCK_SIZE, watermark=watermark)
+    executor = LocalExecutor(StandInRunner(0.0, VOCAB_SIZE, Timeline(), BLOCK_SIZE))
+    limits = EngineLimits(VOCAB_SIZE, MAX_MODEL_LEN, num_blocks, BLOCK_SIZE, frozenset())
+    identity = CacheIdentity("test-admission", "", "", "float32", BLOCK_SIZE)
+    try:
+        yield Engine(Scheduler(config, LocalBlockManager(manager)), executor, limits, identity)
+    finally:
+        executor.thread.shutdown()
+    manager.check_integrity()
+
+
+def add(engine: Engine, name: str, prompt_len: int, max_tokens: int) -> Request:
+    prompt = [1 + (len(name) * 31 + i) % (VOCAB_SIZE - 1) for i in range(prompt_len)]
+    return engine.add_request(name, prompt, GenerationParams(max_tokens=max_tokens), final_only=True)
+
+
+def expect_outputs_of(engine: Engine, length: int, count: int = 16) -> None:
+    """The scheduler has seen `count` sequences finish with `length` output tokens."""
+    for _ in range(count):
+        engine.scheduler.output_lengths.observe(length)
+
+
+def running(request: Request) -> bool:
+    return request.seqs[0].status is SeqStatus.RUNNING
+
+
+def run_to_end(engine: Engine, max_steps: int = 2000) -> None:
+    for _ in range(max_steps):
+        if not engine.has_work:
+            return
+        engine.step()
+    raise AssertionError(f"the engine still has work after {max_steps} steps")
+
+
+# ---- the estimate ----------------------------------------------------------------------------------------
+
+
+def test_the_estimate_is_a_percentile_of_the_latest_finished_lengths() -> None:
+    lengths = OutputLengths(window=20, min_observed=4, percentile=35)
+    for length in (50, 10, 40):
+        lengths.observe(length)
+    assert lengths.typical == 0  # three finished: no estimate yet
+    lengths.observe(30)
+    assert lengths.typical == 30  # 10 30 40 50: the 35th percentile is the second
+    for _ in range(20):  # a change of traffic: the old lengths leave the window
+        lengths.observe(200)
+    assert lengths.typical == 200
+
+
+def test_the_expected_length_is_capped_by_the_sequences_own_limit() -> None:
+    with engine_over(num_blocks=64) as engine:
+        short, long = add(engine, "short", 8, max_tokens=10), add(engine, "long", 8, max_tokens=100)
+        lengths = engine.scheduler.output_lengths
+        assert lengths.expected_len(short.seqs[0], MAX_MODEL_LEN) == 8  # no estimate yet: nothing more
+        expect_outputs_of(engine, 40)
+        assert lengths.expected_len(short.seqs[0], MAX_MODEL_LEN) == 8 + 10  # its max_tokens
+        assert lengths.expected_len(long.seqs[0], MAX_MODEL_LEN) == 8 + 40  # the typical output
+        long.seqs[0].token_ids += [7] * 50  # past the typical length: expected to stop now
+        assert lengths.expected_len(long.seqs[0], MAX_MODEL_LEN) == 58
+
+
+def test_finished_sequences_feed_the_estimate_and_aborted_ones_do_not() -> None:
+    with engine_over(num_blocks=256) as engine:
+        for i in range(16):
+            add(engine, f"r{i}", 6, max_tokens=5 + i % 2)  # outputs of 5 and 6 tokens
+        add(engine, "aborted", 6, max_tokens=200)
+        engine.step()
+        engine.abort("aborted")
+        run_to_end(engine)
+        assert engine.scheduler.output_lengths.typical == 5  # the 35th percentile of eight 5s and eight 6s
+        engine.scheduler.output_lengths.observe(6)  # one more 6 does not move the 35th percentile
+        assert engine.scheduler.output_lengths.typical == 5
+
+
+@pytest.mark.parametrize("percentile", [-1, 100])
+def test_a_percentile_outside_its_range_is_refused(percentile: int) -> None:
+    with pytest.raises(ValueError, match="percentile"):
+        OutputLengths(percentile=percentile)
+
+
+def test_an_estimate_needs_at_least_one_finished_sequence() -> None:
+    with pytest.raises(ValueError, match="min_observed"):
+        OutputLengths(window=8, min_observed=0)
+
+
+# ---- admission ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reserve_growth", [True, False])
+def test_a_running_sequences_expected_growth_is_reserved(reserve_growth: bool) -> None:
+    # 20 blocks of 4. The running request holds 1-2 of them and is expected to reach 4 + 60 tokens (16 blocks);
+    # the waiting one's prompt takes 10 blocks: it fits the free blocks, not the free blocks less the reserve.
+    # Admitted anyway (no reserve), both grow until one of them is preempted
+    with engine_over(num_blocks=20, reserve_growth=reserve_growth) as engine:
+        expect_outputs_of(engine, 60)
+        first = add(engine, "first", 4, max_tokens=64)
+        engine.step()
+        assert running(first)
+        second = add(engine, "second", 40, max_tokens=30)
+        for _ in range(5):
+            engine.step()
+        assert running(second) is not reserve_growth
+        run_to_end(engine)
+        preemptions = engine.scheduler.num_preemptions["recompute"]
+        assert preemptions == 0 if reserve_growth else preemptions > 0
+
+
+def test_a_lone_request_is_admitted_whatever_the_estimate() -> None:
+    # 40 blocks, 4 of them below the watermark. Outputs of 200 tokens observed: each request below is expected to
+    # reach 40 + 120 tokens, the whole cache, more than the 36 blocks admission may give. With nothing running the
+    # first is admitted all the same (else it would wait forever), and the second waits for it to end
+    with engine_over(num_blocks=40, watermark=0.1) as engine:
+        expect_outputs_of(engine, 200)
+        first, second = add(engine, "first", 40, max_tokens=120), add(engine, "second", 40, max_tokens=120)
+        engine.step()
+        assert running(first) and not running(second)
+        while not first.finished:
+            engine.step()
+            assert not running(second) or first.finished
+        run_to_end(engine)
+        assert second.finished and engine.scheduler.num_preemptions["recompute"] == 0
+
+
+def test_an_old_waiting_request_is_not_overtaken_and_is_admitted() -> None:
+    # a long prompt waits behind the reserve while short requests keep arriving behind it: none of them is
+    # admitted before it, and it is admitted once the running sequences have ended
+    with engine_over(num_blocks=48) as engine:
+        expect_outputs_of(engine, 30)
+        early = [add(engine, f"early{i}", 8, max_tokens=30) for i in range(4)]
+        engine.step()
+        assert all(map(running, early))
+        old = add(engine, "old", 96, max_tokens=8)
+        late: list[Request] = []
+        for i in range(200):
+            late.append(add(engine, f"late{i}", 4, max_tokens=4))  # one block each: each would fit alone
+            engine.step()
+            assert running(old) or not any(map(running, late))
+            if running(old):
+                break
+        assert running(old), "the old request was never admitted"
+        assert len(late) > 1  # it did wait behind the reserve (24 blocks fit the free ones from the start)
+        run_to_end(engine)
+        assert all(r.finished for r in [*early, old, *late])
+
+
+def test_greedy_outputs_are_the_same_with_and_without_the_reserve(tiny_llama_dir: Path) -> None:
+    # 24 blocks of 4 for six requests of 9-16 + 30 tokens: without the reserve they preempt each other, with it
+    # they wait; the tokens are the same
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, EOS) for _ in range(rng.randrange(9, 17))] for _ in range(6)]
+    outputs, preemptions = {}, {}
+    for reserve_growth in (True, False):
+        runner, info = build_runner(ExecutorConfig(model=str(tiny_llama_dir), num_blocks=24, block_size=BLOCK_SIZE,
+                                                   device="cpu", dtype="float32"))
+        config = SchedulerConfig(BLOCK_SIZE, info.max_model_len, 16, 64, reserve_growth=reserve_growth)
+        executor = LocalExecutor(runner)
+        engine = Engine(Scheduler(config, LocalBlockManager(BlockManager(24, BLOCK_SIZE))), executor,
+                        EngineLimits(VOCAB, info.max_model_len, 24, BLOCK_SIZE, frozenset({EOS})),
+                        CacheIdentity(info.model_digest, "tiny", "", "float32", BLOCK_SIZE))
+        try:
+            expect_outputs_of(engine, 30)
+            greedy = GenerationParams(max_tokens=30, ignore_eos=True)
+            requests = [engine.add_request(f"r{i}", p, greedy, final_only=True) for i, p in enumerate(prompts)]
+            run_to_end(engine)
+        finally:
+            executor.thread.shutdown()
+        outputs[reserve_growth] = [r.seqs[0].output_token_ids for r in requests]
+        preemptions[reserve_growth] = engine.scheduler.num_preemptions["recompute"]
+    assert outputs[True] == outputs[False] and all(len(o) == 30 for o in outputs[True])
+    assert preemptions[True] < preemptions[False], preemptions
