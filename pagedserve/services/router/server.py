@@ -2,7 +2,9 @@
 
 Its own process, without torch (it loads the model's tokenizer only, to hash prompts). It starts listening at once
 (health NOT_SERVING, requests answered UNAVAILABLE naming why no pod can take them), starts one watcher per pod
-(watcher.py), and reports SERVING while at least one pod is in sync (fleet.py), NOT_SERVING again while none is.
+(watcher.py), and reports SERVING while at least one pod is in sync (fleet.py), NOT_SERVING again while none is,
+from the moment its tokenizer is settled (adopted, or known unusable): a router started or restarted beside its
+pods has every pod's view within a round trip, and would otherwise take requests before it could hash them.
 With `--http-listen` the same process serves the OpenAI-compatible HTTP API (http_api.py) over the same fleet,
 forwarding to the pods' own HTTP APIs, on the same event loop.
 
@@ -55,26 +57,33 @@ log = logging.getLogger(__name__)
 
 
 class FleetService(GrpcService):
-    """Health follows the fleet once warm: SERVING while a pod is routable, NOT_SERVING while none is."""
+    """Health follows the fleet once warm and the tokenizer settled: SERVING while a pod is routable, NOT_SERVING
+    while none is."""
 
     available = False
     _warm = False
+    _tokenizer_settled = False
 
     async def mark_serving(self) -> None:
         self._warm = True
         await self.follow(self.available)
 
+    async def tokenizer_settled(self) -> None:
+        self._tokenizer_settled = True
+        await self.follow(self.available)
+
     async def follow(self, available: bool) -> None:
         self.available = available
-        if self._warm:
+        if self._warm and self._tokenizer_settled:
             await (super().mark_serving() if available else self.mark_not_serving())
 
 
 class TokenizerAdoption:
     """The tokenizer, handed to the hasher once it is the fleet's (see the module's docstring)."""
 
-    def __init__(self, hasher: RequestHasher, fleet: Fleet, model: str = "") -> None:
-        self.hasher, self.fleet, self.model = hasher, fleet, model
+    def __init__(self, hasher: RequestHasher, fleet: Fleet, model: str = "",
+                 on_settled: Callable[[], None] = lambda: None) -> None:
+        self.hasher, self.fleet, self.model, self.on_settled = hasher, fleet, model, on_settled
         self.loaded: tuple[ModelSource, PreTrainedTokenizerFast] | None = None
         self._judged = False  # adopted or refused: said once
 
@@ -90,6 +99,7 @@ class TokenizerAdoption:
                 errors.append(f"{model!r}: {exc}")
         else:
             log.error("cannot load a tokenizer (%s): routing by load alone", "; ".join(errors))
+            self.on_settled()
             return
         self.adopt()
 
@@ -117,6 +127,7 @@ class TokenizerAdoption:
         else:
             self.hasher.tokenizer = tokenizer
             log.info("hashing prompts with the tokenizer of %s", source.name)
+        self.on_settled()
 
 
 class Members:
@@ -169,7 +180,7 @@ async def serve(args: argparse.Namespace, settings: RouterSettings) -> None:
     channels = PodChannels(args.endpoints, settings.pod_credentials, settings.pod_server_name)
     hasher = RequestHasher(settings.keys, settings.cache_salt_secret)
     metrics = RouterMetrics(fleet)
-    tokenizer = TokenizerAdoption(hasher, fleet, args.model)
+    tokenizer = TokenizerAdoption(hasher, fleet, args.model, on_settled=lambda: _soon(service.tokenizer_settled()))
     pb_grpc.add_InferenceServicer_to_server(RouterServicer(fleet, channels, hasher, metrics), service.server)
     pod_http = PodHttp(settings.pod_ssl, settings.pod_server_name)
     http: list[HttpService] = []

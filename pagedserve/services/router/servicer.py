@@ -10,8 +10,8 @@ pod that served it and the cached prefix the router predicted there (`pagedserve
 `pagedserve-predicted-cached-tokens`).
 
 Tokenize and ListModels go to any routable pod (every pod has the fleet's identity); Status is the router's own
-view: the fleet's totals from the pods' latest load reports, and each pod in the `pagedserve-router-pods`
-trailing metadata (JSON). The router publishes no KV events of its own.
+view: the fleet's totals from the routable pods' latest load reports (cached blocks from the router's index),
+and each pod in the `pagedserve-router-pods` trailing metadata (JSON). The router publishes no KV events of its own.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from ...protos import kv_events_pb2
 from ..common.errors import NotReady
 from .choice import Choice
 from .fleet import Fleet
+from .load import LoadReport
 from .request_blocks import RequestHasher
 from .telemetry import RouterMetrics
 from .upstream import PodChannels, attempt_span, forwarded_metadata
@@ -139,24 +140,31 @@ class RouterServicer(pb_grpc.InferenceServicer):
     # ---- the router's own ----------------------------------------------------------------------------
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        """The fleet's totals over the routable pods, and every pod's view in the trailing metadata (JSON).
+
+        Sequences and blocks are the sum of the pods' latest load reports; free blocks are each pod's total less
+        its used ones (a report carries no free count; a pod's free blocks include its cached ones, as the pod's
+        own Status counts them). Cached blocks come from the router's index, since a report does not carry them:
+        every block the pods' prefix caches hold as their KV events describe them, in use by a sequence or free
+        (a pod's own Status counts the free ones only: the two agree whenever nothing runs)."""
         now = self.clock()
         response = pb.StatusResponse(prefix_hit_rate=self.metrics.prefix_hit_rate)
         pods = []
         for address, record in self.fleet.pods.items():
+            cached_blocks = self.fleet.index.num_cached_blocks(address)
             view: dict[str, Any] = {"pod": address, "phase": record.phase.value, "reason": record.reason,
                                     "model": record.model, "in_flight": len(record.in_flight),
-                                    "cached_blocks": self.fleet.index.num_cached_blocks(address)}
+                                    "cached_blocks": cached_blocks}
             if record.load is not None:
                 load = record.load
                 view |= {"num_running": load.num_running, "num_waiting": load.num_waiting,
                          "num_used_blocks": load.num_used_blocks, "num_total_blocks": load.num_total_blocks,
                          "report_age_s": round(now - load.reported_at, 3)}
                 if record.routable:
-                    response.num_running += load.num_running
-                    response.num_waiting += load.num_waiting
-                    response.num_used_blocks += load.num_used_blocks
-                    response.num_total_blocks += load.num_total_blocks
+                    _add_report(response, load, cached_blocks)
             pods.append(view)
+        if response.num_total_blocks:
+            response.block_pressure = response.num_used_blocks / response.num_total_blocks
         context.set_trailing_metadata([(PODS_HEADER, json.dumps(pods))])
         return response
 
@@ -165,6 +173,16 @@ class RouterServicer(pb_grpc.InferenceServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                             "a router publishes no KV events: subscribe to the pods it routes to")
         yield kv_events_pb2.KvEventMessage()  # never reached: an async generator, like the method it serves
+
+
+def _add_report(response: pb.StatusResponse, load: LoadReport, cached_blocks: int) -> None:
+    """Adds one routable pod's latest report, and its cached blocks from the router's index, to the totals."""
+    response.num_running += load.num_running
+    response.num_waiting += load.num_waiting
+    response.num_used_blocks += load.num_used_blocks
+    response.num_free_blocks += max(0, load.num_total_blocks - load.num_used_blocks)
+    response.num_total_blocks += load.num_total_blocks
+    response.num_cached_blocks += cached_blocks
 
 
 class _Route:
