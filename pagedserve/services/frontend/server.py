@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="the model the executor serves (for its tokenizer)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=64, help="cap on running sequences")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512, help="token budget per step")
+    parser.add_argument("--reserve-growth", action="store_true",
+                        help="admit a request only if the running sequences keep room to grow (fewer preemptions, "
+                             "later admissions: docs/scheduler.md)")
     parser.add_argument("--max-waiting-requests", type=positive_int, default=256,
                         help="queue bound: past it new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--metrics-listen", default="", help="HOST:PORT to serve Prometheus /metrics on (off if empty)")
@@ -103,7 +106,8 @@ def connect(args: argparse.Namespace, max_n: int, on_availability: Callable[[boo
     assert info is not None
     scheduler = Scheduler(
         SchedulerConfig(info.block_size, info.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
-                        args.preemption_mode, shares_kv(info.kv_layout), spare_lookahead=args.spare_lookahead),
+                        args.preemption_mode, shares_kv(info.kv_layout), spare_lookahead=args.spare_lookahead,
+                        reserve_growth=args.reserve_growth),
         block_manager,
     )
     eos = frozenset(info.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
