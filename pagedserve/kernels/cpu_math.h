@@ -1,4 +1,4 @@
-/* Arithmetic shared by the CPU kernels (paged_decode_attention_cpu.c, cpu_layer_ops.c). */
+/* Arithmetic shared by the CPU kernels (paged_decode_attention_cpu.c, cpu_layer_ops.c, cpu_logits.c). */
 #ifndef PAGEDSERVE_CPU_MATH_H
 #define PAGEDSERVE_CPU_MATH_H
 
@@ -29,6 +29,31 @@ static inline float exp_nonpositive(float x) {
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return p * two_n;
+}
+
+/* g * sigmoid(g) * up. Sigmoid from exp(-|g|) <= 1, so exp never overflows: 1 / (1 + e) for g >= 0, e / (1 + e)
+ * below; 0 where exp_nonpositive clamps (g < -87.3: exp(g) < 1.2e-38), so a huge negative gate gives 0. */
+static inline float silu_times(float g, float up) {
+    const float e = exp_nonpositive(g < 0.f ? g : -g);
+    const float sigmoid = g < -87.3f ? 0.f : (g < 0.f ? e : 1.f) / (1.f + e);
+    return g * sigmoid * up;
+}
+
+/* x rounded to the nearest bf16, ties to even, as torch rounds (c10's round_to_nearest_even): any NaN becomes
+ * the quiet NaN 0x7fc0. Without a branch, so that the row loop vectorizes. */
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (bits & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0u : (uint16_t)rounded;
+}
+
+/* a bf16's value as a float: its bits are the float's high half (exact) */
+static inline float from_bf16(uint16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
 }
 
 #endif

@@ -1,6 +1,7 @@
 """The CPU's kernels in C, built at first use and called through ctypes: decode attention
-(`paged_decode_attention_cpu.c`), a layer's per-token ops (`cpu_layer_ops.c`, wrapped in cpu_layer_ops.py) and the
-logits' normalizer (`cpu_logits.c`, wrapped in logits_ops.py).
+(`paged_decode_attention_cpu.c`), a layer's per-token ops in fp32 and bf16 (`cpu_layer_ops.c`, wrapped in
+cpu_layer_ops.py) and the logits' normalizer (`cpu_logits.c`, wrapped in logits_ops.py). The bf16 kernels widen and
+round with integer shifts, so they run on any x86-64 (an AVX2 CPU too); the matmuls' bf16 path is linear_ops.py's.
 
 The sources are compiled on the machine that runs them (`-march=native`: the AVX2 or AVX-512 of this CPU)
 into one library, ~2 s of gcc on a 2-core machine. The library is kept in the user's cache directory
@@ -65,6 +66,13 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {  # each function's ret
     "first_max_and_log_sum_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64]),
     "decode_attention_layer_f32": (
         ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64,
+                       _I64, _I64, _I64, _F32, _I64]),
+    # a bf16 model's (cpu_layer_ops.c's second half): the fp32 ones' arguments, bf16 tensors
+    "rms_norm_bf16": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _I64]),
+    "add_rms_norm_bf16": (None, [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _I64]),
+    "silu_and_mul_bf16": (None, [_PTR, _I64, _PTR, _I64, _I64, _I64]),
+    "decode_attention_layer_bf16": (
+        ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
                        _I64, _I64, _I64, _F32, _I64]),
 }
 
@@ -228,6 +236,17 @@ def check_fp32_cpu(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must be an fp32 CPU tensor, got {tensor.dtype} on {tensor.device}")
 
 
+def check_cpu_activations(**tensors: torch.Tensor) -> torch.dtype:
+    """The per-token C kernels' tensors: all fp32, or all bf16 (a bf16 model's), on the CPU; their dtype, or a
+    ValueError naming the argument."""
+    dtype = next(iter(tensors.values())).dtype
+    for name, tensor in tensors.items():
+        if tensor.device.type != "cpu" or tensor.dtype not in CACHE_DTYPES or tensor.dtype != dtype:
+            raise ValueError(f"{name} must be an fp32 or bf16 CPU tensor of the others' dtype ({dtype}), got "
+                             f"{tensor.dtype} on {tensor.device}")
+    return dtype
+
+
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' `kv_bf16` argument for each cache dtype
 
 
@@ -263,7 +282,7 @@ def library_from(source: Path, directory: Path) -> ctypes.CDLL:
 
 
 def paged_decode_attention_cpu(
-    q: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32; each row's heads contiguous
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32 or bf16; each row's heads contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32 or bf16, contiguous
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] the same
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
@@ -272,9 +291,13 @@ def paged_decode_attention_cpu(
     *,
     max_seq_len: int | None = None,  # unused: the kernel sizes its scratch from seq_lens itself
     library: ctypes.CDLL | None = None,  # another build of the kernel (library_from); default: the kernels' own
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] fp32
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] q's dtype
     """Decode attention in fp32 over a paged cache of fp32 or bf16 on the CPU (a bf16 cache's keys and values
-    widened as read); a sequence of length 0 attends to nothing (0)."""
+    widened as read); a sequence of length 0 attends to nothing (0). A bf16 query (a bf16 model's) is widened and
+    the result rounded back to bf16."""
+    if q.dtype == torch.bfloat16:
+        return paged_decode_attention_cpu(q.float(), k_cache, v_cache, block_tables, seq_lens, scale,
+                                          library=library).bfloat16()
     library = library or native_library()
     num_seqs, num_heads, head_dim = q.shape
     cache, kv_bf16 = check_cpu_caches(k_cache, v_cache)

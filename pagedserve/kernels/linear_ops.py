@@ -15,6 +15,11 @@ cache evicts one: one weight multiplied by every row count up to 2048 grew a pro
 once the cache had cycled. A server's prefill chunks come in every size, so the rows oneDNN sees are rounded up to
 one of 72 sizes below 2048 (`padded_rows`: exact below 16, then eight a power of two), the padding zeros and the
 extra rows cut from the result: the same sweep then grows it by 58 MiB, once.
+
+A bf16 model's weights are packed the same way, for oneDNN's bf16 kernels (bf16 in and out, fp32 sums): AMX
+tiles or AVX-512-BF16 where the CPU has them, AVX-512 with conversions where it has neither. A CPU without
+AVX-512 (AVX2) has no oneDNN bf16 kernel in torch: there the plain weight stands in for the packed one and the
+matmul is `F.linear`'s. `bf16_path` names which of these a process takes.
 """
 
 from __future__ import annotations
@@ -22,10 +27,36 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .cpu_native import check_fp32_cpu
-
 PACKED_LINEAR_AVAILABLE = torch.backends.mkldnn.is_available()
 _linear_pointwise = torch.ops.mkldnn._linear_pointwise if PACKED_LINEAR_AVAILABLE else None
+# torch's own test: oneDNN has bf16 kernels on this CPU (AVX-512 or newer)
+PACKED_BF16_AVAILABLE = PACKED_LINEAR_AVAILABLE and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+LINEAR_DTYPES = (torch.float32, torch.bfloat16)
+BF16_PATHS = ("amx", "avx512_bf16", "avx512-convert", "torch")
+
+
+def bf16_path() -> str:
+    """How this process multiplies bf16 linear layers on the CPU (one of BF16_PATHS): oneDNN on packed weights with
+    AMX tiles ("amx"), with AVX-512-BF16 dot products ("avx512_bf16"), or with AVX-512 converting to fp32
+    ("avx512-convert"); or torch's `F.linear` on the plain weights ("torch": no oneDNN bf16 kernel here, as on
+    an AVX2-only CPU)."""
+    if not PACKED_BF16_AVAILABLE:
+        return "torch"
+    if torch.cpu._is_amx_tile_supported():
+        return "amx"
+    return "avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512-convert"
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """Whether weights of `dtype` are multiplied through oneDNN's packed layout here (else `F.linear`'s)."""
+    return (dtype == torch.float32 and PACKED_LINEAR_AVAILABLE) or (dtype == torch.bfloat16 and PACKED_BF16_AVAILABLE)
+
+
+def check_linear_dtype(**tensors: torch.Tensor) -> None:
+    """The packed matmul's operands: fp32 or bf16 CPU tensors; anything else is a ValueError naming the argument."""
+    for name, tensor in tensors.items():
+        if tensor.device.type != "cpu" or tensor.dtype not in LINEAR_DTYPES:
+            raise ValueError(f"{name} must be an fp32 or bf16 CPU tensor, got {tensor.dtype} on {tensor.device}")
 
 
 def padded_rows(rows: int) -> int:
@@ -50,7 +81,7 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 class PackedWeight:
     """One linear layer's weight in oneDNN's layout, packed from the weight at its first use, and packed again
     whenever the weight is replaced or changed in place (its version counter), so it is never stale; or, once
-    released, the only copy there is."""
+    released, the only copy there is. A bf16 weight where oneDNN has no bf16 kernel (`packs`) is kept as it is."""
 
     __slots__ = ("_key", "_packed", "_released", "_source")
 
@@ -66,9 +97,10 @@ class PackedWeight:
             return self._packed
         key = (weight._version, weight.data_ptr())
         if self._packed is None or weight is not self._source or key != self._key:
-            check_fp32_cpu(weight=weight)
+            check_linear_dtype(weight=weight)
             with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+                plain = weight.detach()
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(plain, None) if packs(plain.dtype) else plain
             self._source, self._key = weight, key
         return self._packed
 
@@ -91,10 +123,15 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def linear_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """linear_ref through oneDNN with `weight` packed once into `packed`: fp32 CPU tensors. oneDNN writes a
+    """linear_ref through oneDNN with `weight` packed once into `packed`: fp32 or bf16 CPU tensors, x of the
+    weight's dtype (bf16 where oneDNN has no bf16 kernel: `F.linear` on the weight `packed` keeps). oneDNN writes a
     tensor of its own, so `out` is not used (the allocator reuses the freed one from the step before)."""
-    check_fp32_cpu(x=x)  # the weight's dtype and device: checked where it is packed
+    check_linear_dtype(x=x)  # the weight's device: checked where it is packed
     if x.shape[-1] != weight.shape[1]:  # oneDNN's own message would not say which
         raise ValueError(f"x has {x.shape[-1]} features, the weight {tuple(weight.shape)} takes {weight.shape[1]}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x is {x.dtype}, the weight {weight.dtype}: the packed matmul takes one dtype")
+    if not packs(x.dtype):
+        return F.linear(x, packed.of(weight), bias)
     rows = onednn_linear(x.reshape(-1, x.shape[-1]), packed.of(weight), bias)
     return rows.view(*x.shape[:-1], weight.shape[0])

@@ -93,8 +93,10 @@ def test_add_rms_norm_of_a_strided_delta_and_its_refusals() -> None:
         add_rms_norm_cpu(wide[:, :576], x, weight, 1e-6)
     with pytest.raises(ValueError, match="the same shape"):
         add_rms_norm_cpu(x, x[:, :575], weight, 1e-6)
-    with pytest.raises(ValueError, match="fp32 CPU"):
+    with pytest.raises(ValueError, match="fp32 or bf16 CPU"):
         add_rms_norm_cpu(x, x.double(), weight, 1e-6)
+    with pytest.raises(ValueError, match="the others' dtype"):  # bf16 and fp32 mixed
+        add_rms_norm_cpu(x, x.bfloat16(), weight, 1e-6)
 
 
 @pytest.mark.parametrize("num_tokens", [0, 1, 5, 64])
@@ -179,7 +181,7 @@ def test_cache_write_past_the_cache_writes_nothing() -> None:
 
 
 def test_bad_inputs_are_refused() -> None:
-    with pytest.raises(ValueError, match="fp32 CPU"):
+    with pytest.raises(ValueError, match="fp32 or bf16 CPU"):
         rms_norm_cpu(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match=r"weight \[hidden\]"):
         rms_norm_cpu(torch.randn(2, 8), torch.ones(7), 1e-6)
@@ -187,5 +189,5 @@ def test_bad_inputs_are_refused() -> None:
         rotary_cpu(torch.randn(2, 3, 8), (torch.ones(2, 1, 8), torch.ones(2, 1, 8)))
     with pytest.raises(ValueError, match="2 \\* intermediate"):
         silu_and_mul_cpu(torch.randn(2, 7))
-    with pytest.raises(ValueError, match="fp32 CPU"):
-        silu_and_mul_cpu(torch.randn(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="fp32 or bf16 CPU"):
+        silu_and_mul_cpu(torch.randn(2, 8, dtype=torch.float16))

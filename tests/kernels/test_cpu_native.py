@@ -193,12 +193,13 @@ def test_without_a_compiler_the_cpu_backend_says_why() -> None:
     assert "no C compiler" in result.stdout and "use get_backend('torch')" in result.stdout
 
 
-def test_the_executor_takes_it_on_the_cpu_in_fp32() -> None:
+def test_the_executor_takes_it_on_the_cpu_in_fp32_and_bf16() -> None:
     from pagedserve.services.executor.engine_config import backend_name
 
     cpu = torch.device("cpu")
     assert backend_name(cpu, torch.float32) == "cpu"
-    assert backend_name(cpu, torch.bfloat16) == "torch"  # the C kernel reads fp32 caches only
+    assert backend_name(cpu, torch.bfloat16) == "cpu"
+    assert backend_name(cpu, torch.float16) == "torch"  # the C kernels read fp32 or bf16 only
     assert backend_name(torch.device("cuda"), torch.bfloat16) == "triton"
 
 
@@ -209,9 +210,10 @@ def test_a_kernel_backend_asked_for_is_checked_against_the_device_and_dtype() ->
     assert check_backend(None, cpu, torch.float32) is None  # then the default decides
     assert check_backend("torch", cpu, torch.float32) == "torch"
     assert check_backend("cpu", cpu, torch.float32) == "cpu"
-    with pytest.raises(ValueError, match="float32 on the CPU"):
-        check_backend("cpu", cpu, torch.bfloat16)
-    with pytest.raises(ValueError, match="float32 on the CPU"):
+    assert check_backend("cpu", cpu, torch.bfloat16) == "cpu"
+    with pytest.raises(ValueError, match="float32 or bfloat16 on the CPU"):
+        check_backend("cpu", cpu, torch.float16)
+    with pytest.raises(ValueError, match="float32 or bfloat16 on the CPU"):
         check_backend("cpu", cuda, torch.float32)
     with pytest.raises(ValueError, match="CUDA device"):
         check_backend("triton", cpu, torch.float32)

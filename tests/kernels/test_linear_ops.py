@@ -81,8 +81,10 @@ def test_packs_once_and_again_when_the_weight_changes() -> None:
 
 def test_refuses_other_dtypes_and_mismatched_features() -> None:
     weight = seeded(16, 8, seed=7)
-    with pytest.raises(ValueError, match="fp32 CPU"):
+    with pytest.raises(ValueError, match="fp32 or bf16 CPU"):
         linear_packed(seeded(3, 8, seed=8).double(), weight, None, PackedWeight())
+    with pytest.raises(ValueError, match="one dtype"):
+        linear_packed(seeded(3, 8, seed=8).bfloat16(), weight, None, PackedWeight())
     with pytest.raises(ValueError, match="x has 9 features"):
         linear_packed(seeded(3, 9, seed=9), weight, None, PackedWeight())
 
@@ -102,3 +104,29 @@ def test_a_released_weight_leaves_only_the_packed_copy() -> None:
     assert torch.equal(linear_packed(x, stand_in, None, packed), before)  # the same packed copy, bit for bit
     with pytest.raises(ValueError, match="x has 9 features"):  # the stand-in's shape still checks the input
         linear_packed(seeded(3, 9, seed=14), stand_in, None, packed)
+
+
+@pytest.mark.parametrize(("rows", "features", "outputs"), [(1, 576, 960), (64, 576, 3072), (64, 1536, 576)])
+def test_bf16_as_close_to_fp64_as_f_linear_in_bf16(rows: int, features: int, outputs: int) -> None:
+    """bf16 in and out, fp32 sums: within a bf16 rounding of the exact product of the bf16 operands, as F.linear."""
+    x = seeded(rows, features, seed=rows).bfloat16()
+    weight = (seeded(outputs, features, seed=features) / features**0.5).bfloat16()
+    got = linear_packed(x, weight, None, PackedWeight())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, outputs)
+    expected = x.double() @ weight.double().t()
+    torchs = (torch.nn.functional.linear(x, weight).double() - expected).abs().max().item()
+    error = (got.double() - expected).abs().max().item()
+    assert error <= max(2 * torchs, 2**-8 * expected.abs().max().item()), (error, torchs)
+
+
+def test_bf16_without_a_onednn_bf16_kernel_multiplies_the_plain_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A mock of the CPU, not of the code: an AVX2-only CPU (no oneDNN bf16 kernel in torch) cannot be had here
+    monkeypatch.setattr(linear_ops, "PACKED_BF16_AVAILABLE", False)
+    weight, x, packed = seeded(40, 24, seed=14).bfloat16(), seeded(3, 24, seed=15).bfloat16(), PackedWeight()
+    assert not linear_ops.packs(torch.bfloat16) and linear_ops.packs(torch.float32)
+    assert linear_ops.bf16_path() == "torch"
+    got = linear_packed(x, weight, None, packed)
+    assert torch.equal(got, torch.nn.functional.linear(x, weight))
+    assert packed.of(weight).data_ptr() == weight.data_ptr()  # kept as it is, not copied
+    packed.release(weight)
+    assert torch.equal(linear_packed(x, torch.empty(40, 24, dtype=torch.bfloat16, device="meta"), None, packed), got)

@@ -18,6 +18,7 @@ import torch
 
 from ...kernels import KernelBackend, cpu_unavailable_reason, get_backend
 from ...kernels.backend import BackendName
+from ...kernels.linear_ops import bf16_path
 from ..common.kv_geometry import blocks_for
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
@@ -48,6 +49,8 @@ def build_runner(config: ExecutorConfig) -> tuple[ModelRunner, ExecutorInfo]:
     if released:
         return_freed_memory()
         log.info("linear weights packed for %s; %.0f MiB of plain copies released", backend.name, released / MiB)
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        log.info("bf16 matmuls on the CPU: %s", bf16_path())
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                         model_config.max_position_embeddings)
     page_size = kv_page_size(device) if config.kv_layout == "virtual" else 0
@@ -107,8 +110,8 @@ def check_backend(name: str | None, device: torch.device, dtype: torch.dtype) ->
     get_backend refuses one this machine cannot build or run (no compiler, no GPU) with the reason."""
     if name is None:
         return None
-    if name == "cpu" and (device.type != "cpu" or dtype != torch.float32):
-        raise ValueError(f"kernel backend 'cpu' runs in float32 on the CPU, not {dtype} on {device}")
+    if name == "cpu" and (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"kernel backend 'cpu' runs in float32 or bfloat16 on the CPU, not {dtype} on {device}")
     if name == "triton" and device.type != "cuda":
         raise ValueError(f"kernel backend 'triton' runs on a CUDA device, not {device}")
     if name not in KERNEL_BACKENDS:
@@ -117,11 +120,11 @@ def check_backend(name: str | None, device: torch.device, dtype: torch.dtype) ->
 
 
 def backend_name(device: torch.device, dtype: torch.dtype) -> BackendName:
-    """Triton on a GPU; on the CPU the native decode attention (fp32 only) where it builds, else torch's."""
+    """Triton on a GPU; on the CPU the native kernels (fp32 or bf16) where they build, else torch's."""
     if device.type == "cuda":
         return "triton"
-    if dtype != torch.float32:
-        log.info("decode attention on the torch path: the native CPU kernel runs only in fp32, not %s", dtype)
+    if dtype not in (torch.float32, torch.bfloat16):
+        log.info("decode attention on the torch path: the native CPU kernels run in fp32 or bf16, not %s", dtype)
         return "torch"
     reason = cpu_unavailable_reason()
     if reason is None:
