@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.linear_ops import bf16_path
 from ..services.executor.options import KV_CACHE_DTYPES
 from .executor import TEXTS, bench_hf, bench_ours
 from .report import emit
@@ -272,6 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_count": os.cpu_count(), "num_preemptions": preemptions, "repeats": args.repeats,
         "python": sys.version.split()[0], "kernel_backend": llm.info.kernel_backend,
         "kv_cache_dtype": llm.info.cache_dtype,
+        **({"bf16_path": bf16_path()} if args.dtype == "bfloat16" else {}),  # AMX, AVX-512-BF16, or a fallback
     }
     return result
 
