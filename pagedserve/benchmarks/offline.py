@@ -155,7 +155,7 @@ def run_served(args: argparse.Namespace, prompts: list[list[int]], new_tokens: i
     # the executor gets the offline run's torch threads (all cores), not serve's default of all but one
     stack_args = argparse.Namespace(model=args.model, kv_cache_mib=args.kv_cache_mib, max_num_seqs=len(prompts),
                                     max_num_batched_tokens=2048, threads=torch.get_num_threads(),
-                                    kv_cache_dtype=args.kv_cache_dtype, **flags)
+                                    dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, **flags)
     with tempfile.TemporaryFile("w+") as log:
         stack = start_stack(stack_args, log)
         try:

@@ -24,8 +24,9 @@ def start_stack(args: argparse.Namespace, log: Any) -> ServiceProcess:
                  "threads", "ttft_slo_ms", "tpot_slo_ms"):
         if getattr(args, flag) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    if getattr(args, "kv_cache_dtype", None) is not None:  # bench offline's; the other benchmarks keep the default
-        cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
+    for flag in ("dtype", "kv_cache_dtype"):  # bench offline's; the other benchmarks keep the defaults
+        if getattr(args, flag, None) is not None:
+            cmd += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     stack = ServiceProcess(proc, f"127.0.0.1:{port}")
