@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from fastapi import Request
+from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive, Scope, Send
@@ -73,6 +74,28 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 def error_response(exc: BaseException) -> JSONResponse:
     status, body = error_of(exc)
     return JSONResponse(body, status_code=status)
+
+
+class GuardedRoute(APIRoute):
+    """A /v1 route: `authenticate` first (before the body is read), then the handler; any exception becomes an
+    OpenAI error, as one interceptor maps them for gRPC (grpc_server.py), and a client gone is CLIENT_CLOSED."""
+
+    def authenticate(self, request: Request) -> None:
+        """Raises Unauthenticated for a caller the server refuses; a subclass says who that is."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                self.authenticate(request)
+                return await handler(request)
+            except ClientGone:
+                return Response(status_code=CLIENT_CLOSED)
+            except Exception as exc:
+                return error_response(exc)
+
+        return guarded
 
 
 class BodyLimit:

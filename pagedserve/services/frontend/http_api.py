@@ -17,20 +17,18 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from ..common.openai_http import (
-    CLIENT_CLOSED,
     BodyLimit,
-    ClientGone,
     EventStream,
+    GuardedRoute,
     Json,
     error_of,
     error_response,
@@ -43,23 +41,11 @@ from .openai_protocol import Responses
 B = TypeVar("B", bound=BaseModel)
 
 
-class _V1Route(APIRoute):
-    """Every /v1 route: the caller's key first (before the body is read), then the handler; any exception
-    becomes an OpenAI error, as one interceptor maps them for gRPC (grpc_server.py)."""
+class _V1Route(GuardedRoute):
+    """Every /v1 route of a pod: the caller's key (its tenant) first, then the handler (openai_http.py)."""
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def guarded(request: Request) -> Response:
-            try:
-                _serving(request).tenant(request.headers.items())
-                return await handler(request)
-            except ClientGone:
-                return Response(status_code=CLIENT_CLOSED)
-            except Exception as exc:
-                return error_response(exc)
-
-        return guarded
+    def authenticate(self, request: Request) -> None:
+        _serving(request).tenant(request.headers.items())
 
 
 # ---- streams ------------------------------------------------------------------------------------------------

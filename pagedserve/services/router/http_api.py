@@ -23,14 +23,13 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Coroutine
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -41,6 +40,7 @@ from ..common.openai_http import (
     BodyLimit,
     ClientGone,
     EventStream,
+    GuardedRoute,
     error_of,
     error_response,
     unless_disconnected,
@@ -276,25 +276,14 @@ def _stream_usage(tail: bytes) -> pb.Usage | None:
 # ---- the routes -------------------------------------------------------------------------------------------
 
 
-class _RouterRoute(APIRoute):
-    """Every /v1 route: the caller's key checked first (before the body is read) when the router has keys, then the
-    handler; any exception becomes an OpenAI error, as on a pod (frontend/http_api.py)."""
+class _RouterRoute(GuardedRoute):
+    """Every /v1 route of the router: the caller's key checked first when the router has keys, then the handler,
+    as on a pod (openai_http.py)."""
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def guarded(request: Request) -> Response:
-            try:
-                keys = _routing(request).keys
-                if keys is not None and keys.tenant_for(presented_key(request.headers.items())) is None:
-                    raise Unauthenticated(UNAUTHENTICATED)
-                return await handler(request)
-            except ClientGone:
-                return Response(status_code=CLIENT_CLOSED)
-            except Exception as exc:
-                return error_response(exc)
-
-        return guarded
+    def authenticate(self, request: Request) -> None:
+        keys = _routing(request).keys
+        if keys is not None and keys.tenant_for(presented_key(request.headers.items())) is None:
+            raise Unauthenticated(UNAUTHENTICATED)
 
 
 v1 = APIRouter(route_class=_RouterRoute)
