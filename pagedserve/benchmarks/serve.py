@@ -38,6 +38,7 @@ import grpc
 from ..protos import inference_pb2 as pb
 from ..protos import inference_pb2_grpc as pb_grpc
 from ..services.common.processes import stop_service
+from . import serve_peer
 from .report import emit
 from .serve_passes import PASSAGE, Outcome, cut, main_pass, progress, run_at, shared_prefix_pass, workload
 from .stack import start_stack
@@ -215,7 +216,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "one each request sends a label of its own, a tenant of its own on a keyless pagedserve)")
     parser.add_argument("--model", default="smollm2-135m", help="registered name, HF directory or .gguf file")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--num-requests", type=int, help="requests of the main pass (default 32; --peer: 64)")
     parser.add_argument("--scale", type=float, default=0.15, help="ShareGPT lengths times this")
     parser.add_argument("--request-rate", type=float, default=4.0, help="requests/s (inf: all at once)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 is Poisson, < 1 burstier")
@@ -237,6 +238,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--preemption-mode", choices=["recompute", "swap"])
     stack.add_argument("--threads", type=int, help="the executor's torch threads (default: serve's)")
     stack.add_argument("--device", default="cpu", help="the executor's device (cuda: the Triton kernels in bf16)")
+    serve_peer.add_arguments(parser)
 
 
 @dataclass
@@ -279,6 +281,10 @@ def run_pod_passes(address: str, args: argparse.Namespace) -> PodRun:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.peer or args.peer_url:
+        args.num_requests = args.num_requests or 64
+        return serve_peer.run_peer(args, Client)  # the random workload against pagedserve and a peer server
+    args.num_requests = args.num_requests or 32
     if args.openai_url:
         from .serve_openai import run_openai  # the same passes over HTTP (serve_passes.py)
 

@@ -13,13 +13,14 @@ from typing import Any
 from ..services.common.processes import ServiceProcess, stop_service, wait_serving
 
 
-def start_stack(args: argparse.Namespace, log: Any) -> ServiceProcess:
+def start_stack(args: argparse.Namespace, log: Any, http_port: int = 0) -> ServiceProcess:
     with socket.socket() as sock:  # a free loopback port
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
     cmd = [sys.executable, "-m", "pagedserve", "serve", "--model", args.model, "--port", str(port), "--device",
            getattr(args, "device", "cpu"), "--status-interval", "5",
-           "--max-streams-per-tenant", "1000000"]  # one client sends the whole load: not what is measured
+           "--max-streams-per-tenant", "1000000",  # one client sends the whole load: not what is measured
+           "--http-port", str(http_port)]
     for flag in ("kv_cache_mib", "max_num_seqs", "max_num_batched_tokens", "preemption_mode", "block_size",
                  "threads", "ttft_slo_ms", "tpot_slo_ms"):
         if getattr(args, flag) is not None:

@@ -4,7 +4,7 @@ same engine as gRPC (greedy and seeded text equal), the same keys, tenants and s
 that leaves frees its blocks at once.
 
 One pod serves the whole module: two tenants, four streams each, a 64 KiB body limit. `bench serve --openai-url`
-runs against it too."""
+runs against it too, and `bench serve --peer-url` takes it as the peer."""
 
 from __future__ import annotations
 
@@ -341,4 +341,27 @@ def test_bench_serve_against_the_pod_s_http_port(pod: Pod, tiny_chat_model_dir: 
     assert result["completion_tokens"] == result["output_tokens"] and result["served_model"] == model(pod)
     assert result["throughput_tok_s"] > 0 and 0 < result["ttft_ms_p50"] <= result["e2e_ms_p99"]
     assert result["prefill_tokens_saved_frac"] > 0  # one tenant, a shared first half: cached tokens in the usage
+    pod.wait_idle()
+
+
+def test_bench_serve_peer_url_compares_both_doors_with_the_peer(pod: Pod, tiny_chat_model_dir: Path) -> None:
+    """`bench serve --peer-url`: its own stack over HTTP and gRPC against a running OpenAI server (this pod as the
+    peer), each concurrency level: every request completed in full on every side, the ratios read off the sides."""
+    cmd = [sys.executable, "-m", "pagedserve", "bench", "serve", "--json", "--peer-url", pod.http,  # type: ignore[attr-defined]
+           "--api-key", KEY_A, "--model", str(tiny_chat_model_dir), "--num-requests", "5", "--input-len", "24",
+           "--output-len", "6", "--max-concurrency", f"1,{MAX_STREAMS - 1}"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["peer"] == pod.http and result["max_concurrency"] == [1, MAX_STREAMS - 1]  # type: ignore[attr-defined]
+    assert set(result["sides"]) == {"pagedserve_http", "pagedserve_grpc", "peer_http"}
+    for side in result["sides"].values():
+        for level in ("c1", f"c{MAX_STREAMS - 1}"):
+            keys = side[level]
+            assert keys["completion_tokens"] == 5 * 6, keys
+            assert keys["throughput_tok_s"] > 0 and 0 < keys["ttft_ms_p50"] <= keys["e2e_ms_p50"] * 1.0001
+    for ours in ("pagedserve_http", "pagedserve_grpc"):
+        sides = result["sides"]
+        expected = sides[ours]["c1"]["throughput_tok_s"] / sides["peer_http"]["c1"]["throughput_tok_s"]
+        assert result[f"{ours}_vs_peer_c1"]["throughput"] == pytest.approx(expected, rel=0.01)
     pod.wait_idle()

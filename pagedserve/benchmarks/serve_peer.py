@@ -1,0 +1,205 @@
+"""`pagedserve bench serve --peer vllm`: one client, one random workload, against pagedserve (over its OpenAI HTTP
+API and over gRPC) and against vLLM's OpenAI-compatible server run as its CPU docs say, at each concurrency.
+
+The workload is the shape of vLLM's own `bench serve --dataset-name random`: `--num-requests` prompts of
+`--input-len` tokens cut from a fixed passage at distinct offsets (each with an API key of its own, so no prompt
+shares a cached block with another), `--output-len` tokens each, greedy, EOS ignored, all sent at once with at most
+C in flight for each C of `--max-concurrency`. The sides run one after the other, so that none shares the machine's
+cores with another: pagedserve's pod (one stack, `--dtype`; HTTP, then gRPC), then vLLM's server on the same weights
+(hf_export.py) and dtype, tuned as bench offline's peer is (tcmalloc and libiomp5 preloaded, no CPU reserved) with a
+KV space of `--peer-kv-cache-mib`. Each side serves one short request before it is timed. Over HTTP the prompt goes
+as text (the token ids decoded; each server tokenizes it again) and the times are taken at the SSE events with text,
+as serve_openai.py does; over gRPC as token ids.
+
+`--peer-url URL` takes a server already running as the peer instead (another engine, or vLLM started by hand).
+
+Keys: `sides.<side>.c<C>` (sides `pagedserve_http`, `pagedserve_grpc`, `peer_http`) with `throughput_tok_s`,
+`ttft_ms_p50/p99`, `tpot_ms_p50/p99`, `e2e_ms_p50`; then per concurrency `<side>_vs_peer_c<C>`: throughput, TTFT p50
+and TPOT p50 as ratios to the peer's (the target: throughput >= 1.0, TTFT and TPOT <= 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..services.common.processes import ServiceProcess, stop_service
+from ..services.executor.model.registry import resolve_model
+from ..services.executor.model.tokenizer import load_tokenizer
+from .hf_export import export_hf
+from .serve_openai import OpenAIClient
+from .serve_passes import PASSAGE, Generates, Outcome, cut, pct, progress
+from .stack import start_stack
+
+VLLM_START_TIMEOUT_S = 900.0  # its first start compiles
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--peer vllm (serve_peer.py)")
+    group.add_argument("--peer", choices=["vllm"],
+                       help="the random workload against pagedserve (HTTP and gRPC) and vLLM's OpenAI server")
+    group.add_argument("--peer-url", metavar="URL",
+                       help="instead of starting vLLM: an OpenAI-compatible server already running as the peer")
+    group.add_argument("--max-concurrency", default="8,64", help="requests in flight, comma-separated")
+    group.add_argument("--input-len", type=int, default=128)
+    group.add_argument("--output-len", type=int, default=128)
+    group.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                       help="the pod's weights (with --peer, vLLM's too)")
+    group.add_argument("--peer-venv", type=Path,
+                       default=Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / ".venv-vllm")
+    group.add_argument("--peer-kv-cache-mib", type=int, default=4096, help="vLLM's KV space")
+
+
+def concurrencies(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise SystemExit(f"bench serve: --max-concurrency must list positive integers; got {text!r}")
+    return values
+
+
+def random_prompts(passage: list[int], count: int, length: int) -> list[list[int]]:
+    return [cut(passage, 97 * i + 11, length) for i in range(count)]
+
+
+def run_concurrent(client: Generates, prompts: Sequence[list[int]], output_len: int, concurrency: int,
+                   label: str) -> dict[str, Any]:
+    """Every prompt sent at once, at most `concurrency` in flight; the pass's keys."""
+    start = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as pool:
+        outcomes = list(pool.map(lambda ip: client.generate(ip[1], output_len, f"{label}-{ip[0]}"),
+                                 enumerate(prompts)))
+    return pass_keys(outcomes, start)
+
+
+def pass_keys(outcomes: Sequence[Outcome], start: float) -> dict[str, Any]:
+    ttft, tpot = [o.ttft_ms for o in outcomes], [o.tpot_ms for o in outcomes if o.num_tokens > 1]
+    tokens = sum(o.num_tokens for o in outcomes)
+    return {"throughput_tok_s": round(tokens / (max(o.end for o in outcomes) - start), 2),
+            "ttft_ms_p50": round(pct(ttft, 50), 1), "ttft_ms_p99": round(pct(ttft, 99), 1),
+            "tpot_ms_p50": round(pct(tpot, 50), 1), "tpot_ms_p99": round(pct(tpot, 99), 1),
+            "e2e_ms_p50": round(pct([o.e2e_ms for o in outcomes], 50), 1), "completion_tokens": tokens}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def vllm_server(args: argparse.Namespace, log: Any) -> Iterator[str]:
+    """vLLM's OpenAI server (`vllm serve`) on a loopback port, tuned; its base URL once /health answers 200."""
+    from .offline import tuned_preloads, vllm_python  # bench offline's peer helpers (offline.py imports torch)
+
+    python, port = vllm_python(args.peer_venv), free_port()
+    hf_dir = export_hf(args.model)
+    preloaded, missing = tuned_preloads(args.peer_venv)
+    if missing:
+        progress("vllm preloads missing", {"missing": missing})
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "LD_PRELOAD": ":".join(preloaded)}
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir), "--dtype", args.dtype,
+           "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+           "--max-model-len", str(max(args.input_len + args.output_len + 16, 256)),
+           "--kv-cache-memory-bytes", str(args.peer_kv_cache_mib << 20)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/health", proc, VLLM_START_TIMEOUT_S)
+        yield url
+    finally:
+        stop_service(ServiceProcess(proc, url), grace=30)
+
+
+def wait_http(url: str, proc: subprocess.Popen[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited with {proc.returncode} before it answered")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout} s")
+
+
+def measure_side(name: str, client: Generates, prompts: list[list[int]], args: argparse.Namespace,
+                 levels: list[int]) -> dict[str, Any]:
+    client.generate(prompts[0][:16], 4, f"{name}-warm")
+    return {f"c{c}": progress(f"{name} c{c}", run_concurrent(client, prompts, args.output_len, c, f"{name}-c{c}"))
+            for c in levels}
+
+
+def run_peer(args: argparse.Namespace, grpc_client: Callable[[str], Generates]) -> dict[str, Any]:
+    """`grpc_client(address)`: serve.py's gRPC client."""
+    from .offline import vllm_python
+
+    levels = concurrencies(args.max_concurrency)
+    wall_start, load_start = time.monotonic(), round(os.getloadavg()[0], 2)
+    if not args.peer_url:
+        vllm_python(args.peer_venv)  # fail before minutes of work
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    passage = list(tokenizer.encode(PASSAGE, add_special_tokens=False))
+    prompts = random_prompts(passage, args.num_requests, args.input_len)
+    sides: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryFile("w+") as log:
+        http_port = free_port()
+        stack = start_stack(args, log, http_port=http_port)
+        try:
+            sides["pagedserve_http"] = measure_side(
+                "pagedserve_http", OpenAIClient(f"http://127.0.0.1:{http_port}", tokenizer, None, None), prompts,
+                args, levels)
+            sides["pagedserve_grpc"] = measure_side("pagedserve_grpc", grpc_client(stack.address), prompts, args,
+                                                    levels)
+        except BaseException:
+            _print_tail(log, "the pod")
+            raise
+        finally:
+            stop_service(stack, grace=60)
+    if args.peer_url:
+        sides["peer_http"] = measure_side("peer_http", OpenAIClient(args.peer_url, tokenizer, args.api_key, None),
+                                          prompts, args, levels)
+    else:
+        with tempfile.TemporaryFile("w+") as log:
+            try:
+                with vllm_server(args, log) as url:
+                    sides["peer_http"] = measure_side("peer_http", OpenAIClient(url, tokenizer, None, None), prompts,
+                                                      args, levels)
+            except BaseException:
+                _print_tail(log, "vLLM's server")
+                raise
+    result: dict[str, Any] = {"peer": args.peer_url or "vllm", "sides": sides}
+    for side in ("pagedserve_http", "pagedserve_grpc"):
+        for c in levels:
+            result[f"{side}_vs_peer_c{c}"] = ratios(sides[side][f"c{c}"], sides["peer_http"][f"c{c}"])
+    result.update(model=args.model, dtype=args.dtype, num_requests=args.num_requests, input_len=args.input_len,
+                  output_len=args.output_len, max_concurrency=levels, wall_s=round(time.monotonic() - wall_start, 1),
+                  load_avg_1m={"start": load_start, "end": round(os.getloadavg()[0], 2)})
+    return result
+
+
+def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
+    def over(key: str) -> float:
+        return round(ours[key] / theirs[key], 3) if theirs[key] else float("inf")
+
+    return {"throughput": over("throughput_tok_s"), "ttft_p50": over("ttft_ms_p50"), "tpot_p50": over("tpot_ms_p50")}
+
+
+def _print_tail(log: Any, who: str) -> None:
+    log.seek(0)
+    print(f"{who}'s last output:\n{log.read()[-4000:]}", file=sys.stderr)
+
