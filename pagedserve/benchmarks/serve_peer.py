@@ -7,9 +7,12 @@ shares a cached block with another), `--output-len` tokens each, greedy, EOS ign
 C in flight for each C of `--max-concurrency`. The sides run one after the other, so that none shares the machine's
 cores with another: pagedserve's pod (one stack, `--dtype`; HTTP, then gRPC), then vLLM's server on the same weights
 (hf_export.py) and dtype, tuned as bench offline's peer is (tcmalloc and libiomp5 preloaded, no CPU reserved) with a
-KV space of `--peer-kv-cache-mib`. Each side serves one short request before it is timed. Over HTTP the prompt goes
-as text (the token ids decoded; each server tokenizes it again) and the times are taken at the SSE events with text,
-as serve_openai.py does; over gRPC as token ids.
+KV space of `--peer-kv-cache-mib`. Both at their best with the same memory: the pod gets the same KV budget (unless
+`--kv-cache-mib`, or with `--peer-url`) and, like the tuned peer, every core for its model (`--threads`, default the
+core count; serve's own default keeps one core for the frontend and sidecar, safer on a shared machine and slower
+here). Each side serves one short request before it is timed. Over HTTP the prompt goes as text (the token ids
+decoded; each server tokenizes it again) and the times are taken at the SSE events with text, as serve_openai.py
+does; over gRPC as token ids.
 
 `--peer-url URL` takes a server already running as the peer instead (another engine, or vLLM started by hand).
 
@@ -156,6 +159,10 @@ def run_peer(args: argparse.Namespace, grpc_client: Callable[[str], Generates]) 
     passage = list(tokenizer.encode(PASSAGE, add_special_tokens=False))
     prompts = random_prompts(passage, args.num_requests, args.input_len)
     sides: dict[str, dict[str, Any]] = {}
+    if args.kv_cache_mib is None and not args.peer_url:
+        args.kv_cache_mib = args.peer_kv_cache_mib
+    if args.threads is None:
+        args.threads = os.cpu_count() or 1
     with tempfile.TemporaryFile("w+") as log:
         http_port = free_port()
         stack = start_stack(args, log, http_port=http_port)
@@ -186,7 +193,9 @@ def run_peer(args: argparse.Namespace, grpc_client: Callable[[str], Generates]) 
     for side in ("pagedserve_http", "pagedserve_grpc"):
         for c in levels:
             result[f"{side}_vs_peer_c{c}"] = ratios(sides[side][f"c{c}"], sides["peer_http"][f"c{c}"])
-    result.update(model=args.model, dtype=args.dtype, num_requests=args.num_requests, input_len=args.input_len,
+    result.update(pod_flags={"threads": args.threads, "kv_cache_mib": args.kv_cache_mib},
+                  peer_kv_cache_mib=None if args.peer_url else args.peer_kv_cache_mib,
+                  model=args.model, dtype=args.dtype, num_requests=args.num_requests, input_len=args.input_len,
                   output_len=args.output_len, max_concurrency=levels, wall_s=round(time.monotonic() - wall_start, 1),
                   load_avg_1m={"start": load_start, "end": round(os.getloadavg()[0], 2)})
     return result
