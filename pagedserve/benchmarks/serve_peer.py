@@ -2,23 +2,28 @@
 API and over gRPC) and against vLLM's OpenAI-compatible server run as its CPU docs say, at each concurrency.
 
 The workload is the shape of vLLM's own `bench serve --dataset-name random`: `--num-requests` prompts of
-`--input-len` tokens cut from a fixed passage at distinct offsets (each with an API key of its own, so no prompt
-shares a cached block with another), `--output-len` tokens each, greedy, EOS ignored, all sent at once with at most
-C in flight for each C of `--max-concurrency`. The sides run one after the other, so that none shares the machine's
-cores with another: pagedserve's pod (one stack, `--dtype`; HTTP, then gRPC), then vLLM's server on the same weights
-(hf_export.py) and dtype, tuned as bench offline's peer is (tcmalloc and libiomp5 preloaded, no CPU reserved) with a
-KV space of `--peer-kv-cache-mib`. Both at their best with the same memory: the pod gets the same KV budget (unless
-`--kv-cache-mib`, or with `--peer-url`) and, like the tuned peer, every core for its model (`--threads`, default the
-core count; serve's own default keeps one core for the frontend and sidecar, safer on a shared machine and slower
-here). Each side serves one short request before it is timed. Over HTTP the prompt goes as text (the token ids
-decoded; each server tokenizes it again) and the times are taken at the SSE events with text, as serve_openai.py
-does; over gRPC as token ids.
+`--input-len` tokens, `--output-len` tokens each, greedy, EOS ignored, all sent at once with at most C in flight for
+each C of `--max-concurrency`. Prompts are cut from a fixed passage and each opens with a token pair of its own, and
+every pass has prompts of its own: no prompt shares a cached block with another, on either side (vLLM caches
+prefixes across requests by default, whoever sends them).
+
+Both servers run for the whole benchmark: pagedserve's pod (one stack, `--dtype`) and vLLM's OpenAI server on the
+same weights (hf_export.py) and dtype, tuned as bench offline's peer is (tcmalloc and libiomp5 preloaded, no CPU
+reserved) with a KV space of `--peer-kv-cache-mib`. Each round runs every side (the pod over HTTP, over gRPC, the
+peer) at every level, one pass at a time, in an order reversed every other round (`--repeats` rounds; keys are
+medians, and each ratio the median of the rounds' own ratios). Both at their best with the same memory: the pod
+gets the peer's KV budget (unless `--kv-cache-mib`, or with `--peer-url`) and, like the tuned peer, every core for
+its model (`--threads`, default the core count; serve's own default keeps one core for the frontend and sidecar,
+safer on a shared machine and slower here). Each side serves one short request before the first round. Over HTTP
+the prompt goes as text (the token ids decoded; each server tokenizes it again) and the times are taken at the SSE
+events with text, as serve_openai.py does; over gRPC as token ids.
 
 `--peer-url URL` takes a server already running as the peer instead (another engine, or vLLM started by hand).
 
 Keys: `sides.<side>.c<C>` (sides `pagedserve_http`, `pagedserve_grpc`, `peer_http`) with `throughput_tok_s`,
 `ttft_ms_p50/p99`, `tpot_ms_p50/p99`, `e2e_ms_p50`; then per concurrency `<side>_vs_peer_c<C>`: throughput, TTFT p50
-and TPOT p50 as ratios to the peer's (the target: throughput >= 1.0, TTFT and TPOT <= 1.0).
+and TPOT p50 as ratios to the peer's (the target: throughput >= 1.0, TTFT and TPOT <= 1.0), with the rounds'
+throughput ratios in `<side>_vs_peer_c<C>_rounds`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,7 +39,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--peer-venv", type=Path,
                        default=Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / ".venv-vllm")
     group.add_argument("--peer-kv-cache-mib", type=int, default=4096, help="vLLM's KV space")
+    group.add_argument("--repeats", type=int, default=1,
+                       help="rounds of every side at every level, both servers up (medians; per-round ratios)")
 
 
 def concurrencies(text: str) -> list[int]:
@@ -71,8 +79,12 @@ def concurrencies(text: str) -> list[int]:
     return values
 
 
-def random_prompts(passage: list[int], count: int, length: int) -> list[list[int]]:
-    return [cut(passage, 97 * i + 11, length) for i in range(count)]
+def random_prompts(passage: list[int], count: int, length: int, first: int = 0) -> list[list[int]]:
+    """Prompts `first` .. `first + count - 1`, each opening with a token pair of its own: no two share a block, so
+    no server's prefix cache (vLLM's is on by default, and knows no tenants) serves one from another."""
+    tokens = sorted(set(passage))
+    return [[tokens[k % len(tokens)], tokens[k // len(tokens) % len(tokens)], *cut(passage, 97 * k + 11, length - 2)]
+            for k in range(first, first + count)]
 
 
 def run_concurrent(client: Generates, prompts: Sequence[list[int]], output_len: int, concurrency: int,
@@ -140,13 +152,6 @@ def wait_http(url: str, proc: subprocess.Popen[str], timeout: float) -> None:
     raise TimeoutError(f"{url} did not answer 200 within {timeout} s")
 
 
-def measure_side(name: str, client: Generates, prompts: list[list[int]], args: argparse.Namespace,
-                 levels: list[int]) -> dict[str, Any]:
-    client.generate(prompts[0][:16], 4, f"{name}-warm")
-    return {f"c{c}": progress(f"{name} c{c}", run_concurrent(client, prompts, args.output_len, c, f"{name}-c{c}"))
-            for c in levels}
-
-
 def run_peer(args: argparse.Namespace, grpc_client: Callable[[str], Generates]) -> dict[str, Any]:
     """`grpc_client(address)`: serve.py's gRPC client."""
     from .offline import vllm_python
@@ -155,50 +160,61 @@ def run_peer(args: argparse.Namespace, grpc_client: Callable[[str], Generates]) 
     wall_start, load_start = time.monotonic(), round(os.getloadavg()[0], 2)
     if not args.peer_url:
         vllm_python(args.peer_venv)  # fail before minutes of work
-    tokenizer = load_tokenizer(resolve_model(args.model))
-    passage = list(tokenizer.encode(PASSAGE, add_special_tokens=False))
-    prompts = random_prompts(passage, args.num_requests, args.input_len)
-    sides: dict[str, dict[str, Any]] = {}
     if args.kv_cache_mib is None and not args.peer_url:
         args.kv_cache_mib = args.peer_kv_cache_mib
     if args.threads is None:
         args.threads = os.cpu_count() or 1
-    with tempfile.TemporaryFile("w+") as log:
-        http_port = free_port()
-        stack = start_stack(args, log, http_port=http_port)
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    passage = list(tokenizer.encode(PASSAGE, add_special_tokens=False))
+    with tempfile.TemporaryFile("w+") as pod_log, tempfile.TemporaryFile("w+") as peer_log, ExitStack() as servers:
         try:
-            sides["pagedserve_http"] = measure_side(
-                "pagedserve_http", OpenAIClient(f"http://127.0.0.1:{http_port}", tokenizer, None, None), prompts,
-                args, levels)
-            sides["pagedserve_grpc"] = measure_side("pagedserve_grpc", grpc_client(stack.address), prompts, args,
-                                                    levels)
+            http_port = free_port()
+            stack = start_stack(args, pod_log, http_port=http_port)
+            servers.callback(stop_service, stack, 60)
+            peer_url = args.peer_url or servers.enter_context(vllm_server(args, peer_log))
+            clients = {"pagedserve_http": OpenAIClient(f"http://127.0.0.1:{http_port}", tokenizer, None, None),
+                       "pagedserve_grpc": grpc_client(stack.address),
+                       "peer_http": OpenAIClient(peer_url, tokenizer, args.api_key if args.peer_url else None, None)}
+            rounds = [one_round(clients, passage, args, levels, r) for r in range(args.repeats)]
         except BaseException:
-            _print_tail(log, "the pod")
+            _print_tail(pod_log, "the pod")
+            _print_tail(peer_log, "the peer")
             raise
-        finally:
-            stop_service(stack, grace=60)
-    if args.peer_url:
-        sides["peer_http"] = measure_side("peer_http", OpenAIClient(args.peer_url, tokenizer, args.api_key, None),
-                                          prompts, args, levels)
-    else:
-        with tempfile.TemporaryFile("w+") as log:
-            try:
-                with vllm_server(args, log) as url:
-                    sides["peer_http"] = measure_side("peer_http", OpenAIClient(url, tokenizer, None, None), prompts,
-                                                      args, levels)
-            except BaseException:
-                _print_tail(log, "vLLM's server")
-                raise
+    sides = {side: {f"c{c}": median_keys([r[side][f"c{c}"] for r in rounds]) for c in levels} for side in clients}
     result: dict[str, Any] = {"peer": args.peer_url or "vllm", "sides": sides}
     for side in ("pagedserve_http", "pagedserve_grpc"):
         for c in levels:
-            result[f"{side}_vs_peer_c{c}"] = ratios(sides[side][f"c{c}"], sides["peer_http"][f"c{c}"])
+            per_round = [ratios(r[side][f"c{c}"], r["peer_http"][f"c{c}"]) for r in rounds]
+            result[f"{side}_vs_peer_c{c}"] = median_keys(per_round)
+            result[f"{side}_vs_peer_c{c}_rounds"] = [r["throughput"] for r in per_round]
     result.update(pod_flags={"threads": args.threads, "kv_cache_mib": args.kv_cache_mib},
-                  peer_kv_cache_mib=None if args.peer_url else args.peer_kv_cache_mib,
+                  peer_kv_cache_mib=None if args.peer_url else args.peer_kv_cache_mib, repeats=args.repeats,
                   model=args.model, dtype=args.dtype, num_requests=args.num_requests, input_len=args.input_len,
                   output_len=args.output_len, max_concurrency=levels, wall_s=round(time.monotonic() - wall_start, 1),
                   load_avg_1m={"start": load_start, "end": round(os.getloadavg()[0], 2)})
     return result
+
+
+def one_round(clients: dict[str, Generates], passage: list[int], args: argparse.Namespace, levels: list[int],
+              number: int) -> dict[str, dict[str, Any]]:
+    """Every side at every level, the sides in turn (reversed every other round: no side always goes first); each
+    pass on prompts of its own, and each side warmed by a short request the first time."""
+    order = list(clients) if number % 2 == 0 else list(reversed(clients))
+    result: dict[str, dict[str, Any]] = {}
+    for side in order:
+        if number == 0:
+            clients[side].generate(random_prompts(passage, 1, 16, first=10**6)[0], 4, f"{side}-warm")
+        result[side] = {}
+        for i, c in enumerate(levels):
+            prompts = random_prompts(passage, args.num_requests, args.input_len,
+                                     first=(number * len(levels) + i) * args.num_requests)
+            result[side][f"c{c}"] = progress(f"round {number + 1} {side} c{c}", run_concurrent(
+                clients[side], prompts, args.output_len, c, f"{side}-r{number}-c{c}"))
+    return result
+
+
+def median_keys(passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return {key: round(statistics.median(p[key] for p in passes), 3) for key in passes[0]}
 
 
 def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
