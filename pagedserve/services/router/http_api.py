@@ -14,7 +14,8 @@ the body is read), a body over `--max-message-bytes` (413). Each forwarded answe
 router predicted there (`x-pagedserve-pod`, `x-pagedserve-predicted-cached-tokens`), to compare with the pod's
 `usage.prompt_tokens_details.cached_tokens`; the router reads that usage from a whole answer, and from a stream
 that asked for it (`stream_options.include_usage`), to count it (telemetry.py) as it counts gRPC's `Usage`.
-`GET /v1/models` is answered by any pod that serves HTTP; `/health` is 200 while one is routable, else 503.
+`GET /v1/models` is answered by any pod that serves HTTP; `/health` is 200 while one is routable and the router's
+tokenizer is settled (as gRPC health), else 503.
 """
 
 from __future__ import annotations
@@ -320,8 +321,9 @@ async def list_models(request: Request) -> Response:
             failed.append(pod)
 
 
-def build_app(routing: HttpRouting, max_body_bytes: int) -> Any:
-    """The ASGI app: the /v1 routes and /health over `routing`, bodies limited to `max_body_bytes`."""
+def build_app(routing: HttpRouting, max_body_bytes: int, settled: Callable[[], bool] = lambda: True) -> Any:
+    """The ASGI app: the /v1 routes and /health over `routing`, bodies limited to `max_body_bytes`; /health waits for
+    `settled()` (the router's tokenizer adopted or known unusable), as gRPC health does."""
     # FastAPI's own server span per request, continuing the caller's traceparent: each attempt's span is its child
     app = FastAPI(title="pagedserve router", docs_url=None, redoc_url=None, openapi_url=None,
                   telemetry={"operation_spans": False, "auto_configure": False})
@@ -330,7 +332,10 @@ def build_app(routing: HttpRouting, max_body_bytes: int) -> Any:
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while a pod that serves HTTP is routable; 503 naming why not."""
+        """200 while a pod that serves HTTP is routable and the tokenizer settled; 503 naming why not."""
+        if not settled():  # before that, requests would be routed by load with nothing predicted
+            return JSONResponse({"status": "unavailable", "reason": "the router's tokenizer is not settled yet"},
+                                status_code=503)
         try:
             routing.http_pods()
         except NotReady as exc:

@@ -68,6 +68,10 @@ class FleetService(GrpcService):
         self._warm = True
         await self.follow(self.available)
 
+    @property
+    def settled(self) -> bool:
+        return self._tokenizer_settled
+
     async def tokenizer_settled(self) -> None:
         self._tokenizer_settled = True
         await self.follow(self.available)
@@ -187,7 +191,8 @@ async def serve(args: argparse.Namespace, settings: RouterSettings) -> None:
     if args.http_listen:
         tls = HttpTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
         routing = HttpRouting(fleet, pod_http, hasher, metrics, settings.keys)
-        http.append(HttpService(build_app(routing, settings.max_message_bytes), args.http_listen, tls))
+        app = build_app(routing, settings.max_message_bytes, settled=lambda: service.settled)
+        http.append(HttpService(app, args.http_listen, tls))
 
     def on_model(pod: str, model: pb.ModelInfo) -> None:
         pod_http.on_model(pod, model)
