@@ -141,6 +141,9 @@ def test_decode_step_breakdown_times_the_cpu_decode_forward() -> None:
         assert result[f"decode_step_bound_over_matmul_4{suffix}"] == pytest.approx(
             result["decode_step_over_matmul_4_context1"] + reads_s / (result[f"decode_matmul_ms_4{suffix}"] / 1e3),
             abs=2e-3)
+        assert result[f"decode_step_over_bound_4{suffix}"] == pytest.approx(  # the step over that bound
+            result[f"decode_step_over_matmul_4{suffix}"] / result[f"decode_step_bound_over_matmul_4{suffix}"],
+            rel=3e-3)
     assert result["kernel_backend"] == "cpu" and result["kv_cache_dtype"] == "float32"
     assert result["decode_step_ms_4_bfloat16_kv"] > 0 and result["kv_step_ratio_bf16_over_fp32"] > 0  # side by side
     parts = result["decode_breakdown_ms_4"]
