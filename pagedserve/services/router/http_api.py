@@ -333,13 +333,13 @@ def build_app(routing: HttpRouting, max_body_bytes: int, settled: Callable[[], b
     @app.get("/health")
     async def health() -> Response:
         """200 while a pod that serves HTTP is routable and the tokenizer settled; 503 naming why not."""
-        if not settled():  # before that, requests would be routed by load with nothing predicted
-            return JSONResponse({"status": "unavailable", "reason": "the router's tokenizer is not settled yet"},
-                                status_code=503)
         try:
             routing.http_pods()
         except NotReady as exc:
             return JSONResponse({"status": "unavailable", "reason": str(exc)}, status_code=503)
+        if not settled():  # before that, requests would be routed by load with nothing predicted
+            return JSONResponse({"status": "unavailable", "reason": "the router's tokenizer is not settled yet"},
+                                status_code=503)
         return JSONResponse({"status": "serving"})
 
     async def http_error(request: Request, exc: Exception) -> Response:  # unknown paths and methods
