@@ -140,7 +140,7 @@ class StandInServicer(ExecutorServicer):
 async def serve(args: argparse.Namespace) -> None:
     servicer = StandInServicer(args)
     service = GrpcService(args.listen, [SERVICE_NAME])
-    pb_grpc.add_ExecutorServicer_to_server(servicer, service.server)
+    pb_grpc.add_ExecutorServicer_to_server(servicer, service.handlers)
     try:
         await serve_until_signalled(service, warm_up=servicer.load)
     finally:

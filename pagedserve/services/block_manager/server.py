@@ -103,7 +103,7 @@ async def serve(args: argparse.Namespace) -> None:
     manager = BlockManager(args.num_blocks, args.block_size, args.cpu_blocks, args.watermark)
     service = GrpcService(args.listen, [SERVICE_NAME])
     servicer = BlockManagerServicer(manager, args.check_integrity)
-    pb_grpc.add_BlockManagerServicer_to_server(servicer, service.server)
+    pb_grpc.add_BlockManagerServicer_to_server(servicer, service.handlers)
     service.on_stop.append(servicer.events.close)  # subscriptions never end by themselves
     await serve_until_signalled(service)
 

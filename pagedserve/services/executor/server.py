@@ -163,7 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def serve(args: argparse.Namespace) -> None:
     servicer = ExecutorServicer(ExecutorConfig.from_args(args))
     service = GrpcService(args.listen, [SERVICE_NAME])
-    pb_grpc.add_ExecutorServicer_to_server(servicer, service.server)
+    pb_grpc.add_ExecutorServicer_to_server(servicer, service.handlers)
     await serve_until_signalled(service, warm_up=servicer.load)
 
 

@@ -162,7 +162,7 @@ async def serve(args: argparse.Namespace, settings: PublicSettings) -> None:
     # ListModels names the HTTP port (bound by then: the listeners start before the warm-up), for a router
     servicer = InferenceServicer(serving=serving, kv_events=relay, http_port=lambda: http[0].port if http else 0)
     for each in (service, *local):
-        pb_grpc.add_InferenceServicer_to_server(servicer, each.server)
+        pb_grpc.add_InferenceServicer_to_server(servicer, each.handlers)
     service.on_stop.append(relay.close)  # the relayed event streams never end by themselves
 
     event_loop = asyncio.get_running_loop()

@@ -185,7 +185,7 @@ async def serve(args: argparse.Namespace, settings: RouterSettings) -> None:
     hasher = RequestHasher(settings.keys, settings.cache_salt_secret)
     metrics = RouterMetrics(fleet)
     tokenizer = TokenizerAdoption(hasher, fleet, args.model, on_settled=lambda: _soon(service.tokenizer_settled()))
-    pb_grpc.add_InferenceServicer_to_server(RouterServicer(fleet, channels, hasher, metrics), service.server)
+    pb_grpc.add_InferenceServicer_to_server(RouterServicer(fleet, channels, hasher, metrics), service.handlers)
     pod_http = PodHttp(settings.pod_ssl, settings.pod_server_name)
     http: list[HttpService] = []
     if args.http_listen:
