@@ -8,6 +8,7 @@ another `name_or_path`) and refuses a pod whose identity differs from the fleet'
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, fields
 
@@ -33,9 +34,7 @@ class CacheIdentity:
 
     def namespace(self, tenant_salt: bytes) -> bytes:
         """The root of the chains of the tenant whose salt is `tenant_salt` (b"": the anonymous namespace)."""
-        return cache_namespace(model=self.model_digest, tokenizer=self.tokenizer, chat_template=self.chat_template,
-                               adapter=self.adapter, kv_dtype=self.kv_dtype, block_size=self.block_size,
-                               tenant_salt=tenant_salt)
+        return _namespace(self, tenant_salt)
 
     def differences(self, other: CacheIdentity) -> list[str]:
         """One line per field that differs, e.g. "kv_dtype: 'bf16' here, 'fp8' there"; [] when none does."""
@@ -52,3 +51,10 @@ def _shown(value: object) -> str:
     if len(text) <= _LONG_FIELD_CHARS:
         return text
     return f"<{len(str(value))} characters, blake2b {hashlib.blake2b(str(value).encode(), digest_size=8).hexdigest()}>"
+
+
+@functools.lru_cache(maxsize=4096)  # asked per request, by pods and routers alike; a tenant's requests recur
+def _namespace(identity: CacheIdentity, tenant_salt: bytes) -> bytes:
+    return cache_namespace(model=identity.model_digest, tokenizer=identity.tokenizer,
+                           chat_template=identity.chat_template, adapter=identity.adapter, kv_dtype=identity.kv_dtype,
+                           block_size=identity.block_size, tenant_salt=tenant_salt)

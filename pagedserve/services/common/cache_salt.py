@@ -11,6 +11,7 @@ No grpc here: the router's core and the pods' front doors both import it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import secrets
 from collections.abc import Iterable
@@ -49,6 +50,7 @@ def client_salt(metadata: Metadata) -> str:
     return next((_text(v) for k, v in metadata or () if k.lower() == CACHE_SALT_HEADER), "")
 
 
+@functools.lru_cache(maxsize=4096)  # derived per request, on pods and routers; a tenant's requests recur
 def tenant_salt(secret: bytes, tenant: str, salt: str) -> bytes:
     """The cache salt of (tenant, client salt), keyed with the secret; b"" when both are empty (the anonymous
     namespace). Length-prefixed, so no (tenant, salt) pair can spell another's."""
