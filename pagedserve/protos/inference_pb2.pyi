@@ -340,7 +340,7 @@ class GenerateResponse(_message.Message):
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]: ...
     @_builtins.property
     def usage(self) -> Global___Usage:
-        """only on the request's very last message"""
+        """only on the request's very last message (which may carry tokens)"""
 
     def __init__(
         self,

@@ -71,8 +71,9 @@ class InferenceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams the generated tokens and text deltas of every sample as they come, then one last message
-        with the usage. The gRPC deadline is honoured: when it passes (or the client goes), the request is
+        """Streams the generated tokens and text deltas of every sample as they come; the usage is on the last
+        message: the last chunk's, or (when a stop string ended the last sample before the engine did) a
+        message of its own after it. The gRPC deadline is honoured: when it passes (or the client goes), the request is
         cancelled and its KV blocks freed within the step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -33,8 +33,9 @@ class InferenceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> InferenceAsyncStub: ...
     Generate: _grpc.UnaryStreamMultiCallable[_inference_pb2.GenerateRequest, _inference_pb2.GenerateResponse]
-    """Streams the generated tokens and text deltas of every sample as they come, then one last message
-    with the usage. The gRPC deadline is honoured: when it passes (or the client goes), the request is
+    """Streams the generated tokens and text deltas of every sample as they come; the usage is on the last
+    message: the last chunk's, or (when a stop string ended the last sample before the engine did) a
+    message of its own after it. The gRPC deadline is honoured: when it passes (or the client goes), the request is
     cancelled and its KV blocks freed within the step.
     """
     Complete: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GenerateRequest, _inference_pb2.CompleteResponse]
@@ -53,8 +54,9 @@ class InferenceStub:
 class InferenceAsyncStub(InferenceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryStreamMultiCallable[_inference_pb2.GenerateRequest, _inference_pb2.GenerateResponse]  # type: ignore[assignment]
-    """Streams the generated tokens and text deltas of every sample as they come, then one last message
-    with the usage. The gRPC deadline is honoured: when it passes (or the client goes), the request is
+    """Streams the generated tokens and text deltas of every sample as they come; the usage is on the last
+    message: the last chunk's, or (when a stop string ended the last sample before the engine did) a
+    message of its own after it. The gRPC deadline is honoured: when it passes (or the client goes), the request is
     cancelled and its KV blocks freed within the step.
     """
     Complete: _aio.UnaryUnaryMultiCallable[_inference_pb2.GenerateRequest, _inference_pb2.CompleteResponse]  # type: ignore[assignment]
@@ -76,8 +78,9 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
         request: _inference_pb2.GenerateRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_inference_pb2.GenerateResponse], _abc.AsyncIterator[_inference_pb2.GenerateResponse]]:
-        """Streams the generated tokens and text deltas of every sample as they come, then one last message
-        with the usage. The gRPC deadline is honoured: when it passes (or the client goes), the request is
+        """Streams the generated tokens and text deltas of every sample as they come; the usage is on the last
+        message: the last chunk's, or (when a stop string ended the last sample before the engine did) a
+        message of its own after it. The gRPC deadline is honoured: when it passes (or the client goes), the request is
         cancelled and its KV blocks freed within the step.
         """
 

@@ -56,7 +56,7 @@ class Pod:
         request = pb.GenerateRequest(text=prompt, params=pb.GenerationParameters(**params))  # type: ignore[arg-type]
         chunks = list(self.stub.Generate(request, timeout=120, metadata=self.metadata))
         texts: dict[int, str] = {}
-        for chunk in chunks[:-1]:
+        for chunk in chunks:
             texts[chunk.index] = texts.get(chunk.index, "") + chunk.text
         return chunks, texts
 

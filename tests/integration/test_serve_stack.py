@@ -45,10 +45,12 @@ def test_streaming_text_equals_the_decoded_tokens(pod: Pod, tiny_chat_model_dir:
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
     chunks, texts = pod.generate(PROMPTS[0], max_tokens=24, ignore_eos=True)
     token_ids = [t for c in chunks for t in c.token_ids]
-    # a chunk per step, then the usage; steps the client fell behind on (a loaded host) arrive joined in one chunk
-    assert len(token_ids) == 24 and 2 <= len(chunks) <= 25 and all(c.token_ids for c in chunks[:-1])
+    # a chunk per step, the last with the finish and the usage (no message of its own: the request's end came with
+    # its last step); steps the client fell behind on (a loaded host) arrive joined in one chunk
+    assert len(token_ids) == 24 and 1 <= len(chunks) <= 24 and all(c.token_ids for c in chunks)
     assert texts[0] == tokenizer.decode(token_ids, skip_special_tokens=True)
-    assert chunks[-2].finish_reason == pb.LENGTH and all(c.finish_reason == 0 for c in chunks[:-2])
+    assert chunks[-1].finish_reason == pb.LENGTH and all(c.finish_reason == 0 for c in chunks[:-1])
+    assert chunks[-1].HasField("usage") and not any(c.HasField("usage") for c in chunks[:-1])
     usage = chunks[-1].usage
     assert usage.prompt_tokens == len(tokenizer.encode(PROMPTS[0])) and usage.completion_tokens == 24
     assert 0 < usage.ttft_ms <= usage.e2e_ms
@@ -99,7 +101,9 @@ def test_stop_strings_end_the_text_before_them(pod: Pod) -> None:
     stop = full[10:14]
     chunks, stopped = pod.generate(PROMPTS[2], max_tokens=30, ignore_eos=True, stop=[stop])
     assert stopped[0] == full[: full.index(stop)]
-    assert chunks[-2].finish_reason == pb.STOP
+    # the usage alone after it: the stop string ended the sample before the engine ended the request, and the last
+    # chunk does not wait for the engine
+    assert chunks[-2].finish_reason == pb.STOP and chunks[-1].HasField("usage") and not chunks[-1].token_ids
     pod.wait_idle()
 
 
@@ -305,7 +309,7 @@ def test_metrics_histograms_and_counters_add_up_to_what_the_requests_returned(po
         return increase(before, after, name, *labels)
 
     usages = [chunks[-1].usage for chunks in runs]
-    first_sample = [sum(len(c.token_ids) for c in chunks[:-1] if c.index == 0) for chunks in runs]
+    first_sample = [sum(len(c.token_ids) for c in chunks if c.index == 0) for chunks in runs]
     for name, seconds in zip(REQUEST_HISTOGRAMS, ("queue_ms", "ttft_ms", "e2e_ms"), strict=True):
         assert grew(f"pagedserve_{name}_seconds_count") == len(runs)
         assert grew(f"pagedserve_{name}_seconds_bucket", ("le", "+Inf")) == len(runs)
@@ -382,7 +386,7 @@ def test_a_full_waiting_queue_refuses_new_requests_at_once(tiny_chat_model_dir: 
 def test_logprobs_and_chat_client(pod: Pod) -> None:
     chunks, _ = pod.generate(PROMPTS[0], max_tokens=4, logprobs=2, ignore_eos=True)
     entries = []
-    for chunk in chunks[:-1]:  # a chunk carries every token that was ready when it was sent: one or more
+    for chunk in chunks:  # a chunk carries every token that was ready when it was sent: one or more
         entries += zip(chunk.logprobs, chunk.token_ids, strict=True)
     assert len(entries) == 4
     for entry, token_id in entries:

@@ -191,7 +191,8 @@ def _response(request_id: str, chunk: Chunk) -> pb.GenerateResponse:
     ] if chunk.logprobs else []  # empty unless the request asked for them
     finish = FINISH[chunk.finish_reason] if chunk.finish_reason is not None else pb.FINISH_REASON_UNSPECIFIED
     return pb.GenerateResponse(request_id=request_id, index=chunk.index, token_ids=chunk.token_ids, text=chunk.text,
-                               logprobs=logprobs, finish_reason=finish)
+                               logprobs=logprobs, finish_reason=finish,
+                               usage=_usage(chunk.usage) if chunk.usage is not None else None)
 
 
 def _usage(usage: Usage) -> pb.Usage:

@@ -55,6 +55,7 @@ class Chunk:
     logprobs: Sequence[float] = ()
     top_logprobs: Sequence[Sequence[tuple[int, float]]] = ()
     finish_reason: FinishReason | None = None
+    usage: Usage | None = None  # on the request's last chunk when its end was known as it was made (see generate)
 
 
 @dataclass(frozen=True)
@@ -177,9 +178,13 @@ class Serving:
         self, request_id: str, prompt: list[int], params: GenerationParams, salt: bytes, stop: Sequence[str] = (),
         want_logprobs: bool = False, unary: bool = False,
     ) -> AsyncIterator[Chunk | Usage]:
-        """The request's chunks as they come, then its Usage. For a unary call without stop strings (nothing to
-        match while the text grows), one chunk per sample at the end, read from the finished request. Raises
-        the domain errors (limits, engine checks, a full queue, a lost sidecar) before or instead of a chunk."""
+        """The request's chunks as they come, then its Usage: on the last chunk (its `usage`) when the engine had
+        ended the request by the time that chunk was made (the usual case: the end comes with the last step's
+        outputs; one message less on every hop of a short request), else alone after it (a stop string ends a
+        sample before the engine does, and the last chunk does not wait for it). For a unary call without stop
+        strings (nothing to match while the text grows), one chunk per sample at the end, read from the
+        finished request. Raises the domain errors (limits, engine checks, a full queue, a lost sidecar) before
+        or instead of a chunk."""
         self.limits.check(len(prompt), params)
         at_end = unary and not stop
         stops = [StopStringMatcher(stop) for _ in range(params.n)]  # bad stop strings: refused before anything queued
@@ -196,6 +201,7 @@ class Serving:
                        for stop_matcher in stops]
             # the engine ends every request's stream with None, after which it no longer touches the request
             later: Event | _Nothing = NOTHING  # an event taken while catching up, not handled yet
+            last: Chunk | None = None  # the last chunk, held for the usage since the end is already in hand
             while (event := await events.get() if later is NOTHING else later) is not None:
                 later = NOTHING
                 if isinstance(event, BaseException):
@@ -210,15 +216,28 @@ class Serving:
                     outputs, later = _catch_up(outputs, events)
                 for output in outputs:
                     chunk = self._chunk(request_id, samples, output, want_logprobs)
-                    if chunk is not None:
-                        yield chunk
+                    if chunk is None:
+                        continue
+                    if all(sample.done for sample in samples):
+                        if later is NOTHING and not events.empty():
+                            later = events.get_nowait()
+                        if later is None:
+                            last = chunk
+                            continue
+                    yield chunk
             over = True
             if at_end and engine_request is not None:  # the engine no longer touches it
-                for chunk in self._whole_chunks(request_id, samples, engine_request, want_logprobs):
+                chunks = self._whole_chunks(request_id, samples, engine_request, want_logprobs)
+                last = chunks.pop() if chunks else None
+                for chunk in chunks:
                     yield chunk
             usage = _usage(engine_request, prompt, samples)
             span.set_attributes(usage.span_attributes())
-            yield usage
+            if last is None:
+                yield usage
+            else:
+                last.usage = usage
+                yield last
         finally:
             if not over:  # the client went away, the deadline passed, or the engine failed
                 self.backend.loop.abort(request_id)

@@ -77,10 +77,16 @@ async def _answer(request: Request, body: CompletionBody | ChatBody, prompt: lis
                           serving.backend.tokenizer, want_logprobs)
 
     async def items() -> AsyncIterator[Chunk | Usage]:
+        """The chunks, then the usage on its own (OpenAI's last chunk has no choices)."""
         with serving.hold(request.headers.items()) as salt:
             async for item in serving.generate(request_id, prompt, params, salt, body.stops(), want_logprobs,
                                                unary=not body.stream):
-                yield item
+                if isinstance(item, Chunk) and item.usage is not None:
+                    usage, item.usage = item.usage, None
+                    yield item
+                    yield usage
+                else:
+                    yield item
 
     generation = items()
     if not body.stream:
