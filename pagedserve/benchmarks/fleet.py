@@ -17,9 +17,13 @@ Keys per arm: `ttft_p50_s`, `ttft_p90_s` (client-side), `tok_s` (output tokens /
 `prefix_hit_rate` (cached prompt tokens / prompt tokens, from the pods' `Usage`), `max_over_mean_requests` (requests
 per pod, the busiest over the mean). Then the ratios against round-robin, `kv_aware_hit_rate`, `oracle_hit_rate`
 (fleet_workload.oracle_hit_rate: an upper bound) and `router_overhead_ms_p50`: one short request sent in turn
-through a router and straight to the pod that router picked (alternating which goes first), the p50 of the pairs'
-differences in end-to-end time, with its 95 % interval (`router_overhead_ms_ci95`) and the same through a hop that
-only forwards bytes (`router_overhead_floor_ms_p50`, passthrough_proxy.py): fleet_real.py runs the pods.
+through a router, straight to the pod that router picked, and through a hop that only forwards bytes
+(passthrough_proxy.py), the p50 of the routed requests' differences from the direct ones in time outside the pod's
+engine, with its 95 % interval (`router_overhead_ms_ci95`), the same for the bare hop
+(`router_overhead_floor_ms_p50`), and the routed differences in end-to-end time (`router_overhead_e2e_ms_p50`,
+`..._ci95`: the pod's step noise left in). That router has the first pod alone, so that every routed request goes
+where its direct twin goes (over three pods, kv-aware's recent-requests guard moves a prompt sent hundreds of times
+from pod to pod). fleet_real.py runs the pods.
 
 `--simulate`: fleet_sim.py, the router's own choice code against simulated pods (each the real BlockManager with
 its KV events), step costs from `--calibration` (a real run's JSON), the flags, or this machine's defaults below.
@@ -88,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--prefill-tok-s", type=float)
     sim.add_argument("--decode-step-ms", type=float)
     parser.add_argument("--overhead-pairs", type=int, default=200,
-                        help="request pairs for router_overhead_ms_p50 (and its floor); 0: not measured")
+                        help="rounds of (routed, direct, pass-through) for router_overhead_ms_p50; 0: none")
 
 
 # ---- the shape of a run ------------------------------------------------------------------------------
@@ -128,6 +132,8 @@ def summary(arms: dict[str, dict[str, Any]], oracle: float, overhead: dict[str, 
     result["router_overhead_ms_p50"] = None if routed is None else routed["p50_ms"]
     result["router_overhead_ms_ci95"] = None if routed is None else routed["ci95_ms"]
     result["router_overhead_floor_ms_p50"] = None if floor is None else floor["p50_ms"]
+    result["router_overhead_e2e_ms_p50"] = None if routed is None else routed["e2e_p50_ms"]
+    result["router_overhead_e2e_ms_ci95"] = None if routed is None else routed["e2e_ci95_ms"]
     met: dict[str, bool | None] = {
         "kv_aware_ttft_p90_vs_round_robin": _le(result.get("kv_aware_ttft_p90_vs_round_robin"), 0.33),
         "kv_aware_tok_s_vs_round_robin": None if "kv_aware_tok_s_vs_round_robin" not in result

@@ -3,9 +3,12 @@ through each, and the router's overhead.
 
 The pods share one cache-salt secret and a small KV budget each (fleet_arms.py's `Shape`); every tenant's requests carry
 its API key, so the pods salt its prefix and the router, given the same secret, predicts it. The overhead: one short
-request sent in turn through a kv-aware router and straight to the pod that router picked (alternating which goes
-first), the p50 of the pairs' differences with its 95 % interval; then the same pairs through passthrough_proxy.py,
-a hop that forwards bytes and does nothing else, the floor of any router written on grpc.aio.
+request sent in turn through a kv-aware router, straight to the pod that router picked, and through
+passthrough_proxy.py before that pod (a hop that forwards bytes and does nothing else: the floor of any router
+written on grpc.aio), the three in rotating order. Each request's time is taken outside the pod's engine: the
+client's end-to-end time less the engine's own (`Usage.e2e_ms`, arrival at the engine to the end). The engine's step
+varies by milliseconds from one request to the next (the model on a shared CPU), a hop costs about one: subtracted,
+the difference's spread falls from ~10 ms to ~1 (the end-to-end differences are kept beside it).
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class Sent:
     prompt_tokens: int
     cached_tokens: int
     pod: str
+    engine_s: float  # the pod's own time for it (Usage.e2e_ms): arrival at its engine to the end
 
 
 def generate(stub: pb_grpc.InferenceStub, token_ids: Sequence[int], max_tokens: int, key: str, pod: str = "") -> Sent:
@@ -98,7 +102,8 @@ def generate(stub: pb_grpc.InferenceStub, token_ids: Sequence[int], max_tokens: 
     if tokens != max_tokens:
         raise RuntimeError(f"asked for {max_tokens} tokens, got {tokens}")
     pod = pod or dict(call.trailing_metadata()).get(POD_HEADER, "")
-    return Sent(first - start, end, start, tokens, usage.prompt_tokens, usage.cached_prompt_tokens, pod)
+    return Sent(first - start, end, start, tokens, usage.prompt_tokens, usage.cached_prompt_tokens, pod,
+                usage.e2e_ms / 1000)
 
 
 def wait_idle(stubs: dict[str, pb_grpc.InferenceStub], timeout: float = 120.0) -> None:
@@ -163,57 +168,50 @@ def calibrate(stub: pb_grpc.InferenceStub, shape: Shape, vocabulary: Sequence[in
             "decode_step_ms": round(decode_s * 1000, 2)}
 
 
-def router_overhead(router: ServiceProcess, stubs: dict[str, pb_grpc.InferenceStub], vocabulary: Sequence[int],
-                    pairs: int, tag: str) -> dict[str, Any]:
-    """The same request through the router and straight to the pod it picked, in turn (who goes first
-    alternates): the pairs' differences."""
+def overhead(router: ServiceProcess, stubs: dict[str, pb_grpc.InferenceStub], vocabulary: Sequence[int],
+             rounds: int, tag: str) -> dict[str, Any]:
+    """The same short request through the router (over one pod), straight to that pod, and through the
+    pass-through proxy before it, in rotating order `rounds` times: the routed and the proxied requests'
+    differences from the direct ones (`routed`, `floor`)."""
     prompt = random.Random(2).choices(list(vocabulary), k=48)
     key = f"{tag}-overhead"
-    with grpc.insecure_channel(router.address) as channel:
-        routed = pb_grpc.InferenceStub(channel)
-        generate(routed, prompt, 1, key)  # warm: the prompt cached where it goes
-
-        def pair(i: int) -> tuple[Sent, Sent]:
-            if i % 2 == 0:
-                a = generate(routed, prompt, 1, key)
-                return a, generate(stubs[a.pod], prompt, 1, key, a.pod)
-            pod = generate(routed, prompt, 1, key).pod  # where the router sends it now
-            b = generate(stubs[pod], prompt, 1, key, pod)
-            return generate(routed, prompt, 1, key), b
-
-        return paired_differences([pair(i) for i in range(pairs)])
-
-
-def floor_overhead(pod: str, stub: pb_grpc.InferenceStub, vocabulary: Sequence[int], pairs: int, tag: str
-                   ) -> dict[str, Any]:
-    """The same pairs through passthrough_proxy.py before `pod`: what a grpc.aio hop costs by itself."""
-    prompt = random.Random(2).choices(list(vocabulary), k=48)
-    key = f"{tag}-floor"
-    with passthrough_proxy(pod) as address, grpc.insecure_channel(address) as channel:
-        proxied = pb_grpc.InferenceStub(channel)
-        generate(proxied, prompt, 1, key, pod)
-
-        def pair(i: int) -> tuple[Sent, Sent]:
-            if i % 2 == 0:
-                a = generate(proxied, prompt, 1, key, pod)
-                return a, generate(stub, prompt, 1, key, pod)
-            b = generate(stub, prompt, 1, key, pod)
-            return generate(proxied, prompt, 1, key, pod), b
-
-        return paired_differences([pair(i) for i in range(pairs)])
+    with grpc.insecure_channel(router.address) as routed_channel:
+        routed = pb_grpc.InferenceStub(routed_channel)
+        pod = generate(routed, prompt, 1, key).pod  # warm: the prompt cached where the router sends it
+        with passthrough_proxy(pod) as address, grpc.insecure_channel(address) as proxied_channel:
+            proxied = pb_grpc.InferenceStub(proxied_channel)
+            ways = [lambda: generate(routed, prompt, 1, key), lambda: generate(stubs[pod], prompt, 1, key, pod),
+                    lambda: generate(proxied, prompt, 1, key, pod)]
+            for send in ways:
+                send()
+            sent: list[list[Sent]] = [[], [], []]
+            for i in range(rounds):
+                for way in [(i + k) % 3 for k in range(3)]:
+                    sent[way].append(ways[way]())
+    if any(s.pod != pod for s in sent[0]):
+        raise RuntimeError(f"the router sent the overhead's prompt off {pod}: the pairs would not be the same pod")
+    return {"routed": paired_differences(list(zip(sent[0], sent[1], strict=True))),
+            "floor": paired_differences(list(zip(sent[2], sent[1], strict=True)))}
 
 
 def paired_differences(pairs: Sequence[tuple[Sent, Sent]]) -> dict[str, Any]:
-    """The p50 of (via - direct) end-to-end times with its distribution-free 95 % interval (order statistics of the
-    sorted differences), in ms: a pod's step varies by milliseconds, a hop costs about one."""
-    differences = sorted((a.end - a.start) - (b.end - b.start) for a, b in pairs)
-    n, half = len(differences), 0.98 * math.sqrt(len(differences))  # 1.96 standard deviations of Binomial(n, 1/2)
-    low, high = max(0, math.floor(n / 2 - half) - 1), min(n - 1, math.ceil(n / 2 + half))
-    return {"p50_ms": round(statistics.median(differences) * 1000, 3),
-            "ci95_ms": [round(differences[low] * 1000, 3), round(differences[high] * 1000, 3)],
-            "pairs": n,
+    """The p50 of (via - direct) times outside the pod's engine with its distribution-free 95 % interval (order
+    statistics of the sorted differences), in ms; the same of the end-to-end times (`e2e_`)."""
+    def outside(sent: Sent) -> float:
+        return sent.end - sent.start - sent.engine_s
+
+    differences = sorted(outside(a) - outside(b) for a, b in pairs)
+    e2e = sorted((a.end - a.start) - (b.end - b.start) for a, b in pairs)
+    return {**_median_and_interval(differences, ""), **_median_and_interval(e2e, "e2e_"), "pairs": len(pairs),
             "via_ms_p50": round(statistics.median(a.end - a.start for a, _ in pairs) * 1000, 3),
             "direct_ms_p50": round(statistics.median(b.end - b.start for _, b in pairs) * 1000, 3)}
+
+
+def _median_and_interval(ordered: Sequence[float], prefix: str) -> dict[str, Any]:
+    n, half = len(ordered), 0.98 * math.sqrt(len(ordered))  # 1.96 standard deviations of Binomial(n, 1/2)
+    low, high = max(0, math.floor(n / 2 - half) - 1), min(n - 1, math.ceil(n / 2 + half))
+    return {f"{prefix}p50_ms": round(statistics.median(ordered) * 1000, 3),
+            f"{prefix}ci95_ms": [round(ordered[low] * 1000, 3), round(ordered[high] * 1000, 3)]}
 
 
 @contextmanager
@@ -286,19 +284,17 @@ def measure(args: argparse.Namespace, shape: Shape, arms: list[str], pods: list[
             phase_s[arm] = round(time.monotonic() - start, 1)
             load[arm] = round(os.getloadavg()[0], 2)  # the machine is shared: how disturbed each arm may be
         wait_idle(stubs)
-        overhead: dict[str, Any] = {}
+        router_overhead: dict[str, Any] = {}
         if args.overhead_pairs > 0:
-            router = start_router(args, pods, "kv-aware", secret)
+            router = start_router(args, pods[:1], "kv-aware", secret)
             try:
-                overhead["routed"] = progress(
-                    "router overhead", router_overhead(router, stubs, vocabulary, args.overhead_pairs, run_tag))
+                router_overhead = progress("router overhead",
+                                           overhead(router, stubs, vocabulary, args.overhead_pairs, run_tag))
             finally:
                 stop_service(router)
-            overhead["floor"] = progress("pass-through floor", floor_overhead(
-                pods[0].address, first, vocabulary, args.overhead_pairs, run_tag))
     finally:
         for channel in channels.values():
             channel.close()
-    return {"mode": "real", "results": results, "workload": workload, "router_overhead": overhead,
+    return {"mode": "real", "results": results, "workload": workload, "router_overhead": router_overhead,
             "calibration": calibration, "phase_s": {"pods_start": round(started_s, 1), **phase_s},
             "load_avg_1m_after_arm": load}
