@@ -18,7 +18,6 @@ import json
 import math
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,12 +34,13 @@ import grpc
 
 from ..protos import inference_pb2 as pb
 from ..protos import inference_pb2_grpc as pb_grpc
-from ..services.common.processes import ServiceProcess, start_service, stop_service, wait_serving
+from ..services.common.processes import ServiceProcess, await_listening, start_service, stop_service, wait_serving
 from ..services.router.servicer import POD_HEADER, PODS_HEADER
 from .fleet_arms import Shape, arm_keys, arm_order, progress, workload_for
 from .fleet_sim import ArmOutcome
 from .fleet_workload import FleetRequest, FleetWorkload
 from .serve_passes import PASSAGE, run_at
+from .stack import free_port
 
 
 @dataclass
@@ -51,9 +51,7 @@ class Pod:
 
 
 def start_pod(args: argparse.Namespace, shape: Shape, secret: Path, log: Any) -> Pod:
-    with socket.socket() as sock:  # a free loopback port
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedserve", "serve", "--model", args.model, "--port", str(port), "--device", "cpu",
            "--num-blocks", str(shape.num_blocks), "--block-size", str(shape.block_size), "--max-num-seqs",
            str(shape.max_num_seqs), "--threads", str(args.threads), "--cache-salt-secret-file", str(secret),
@@ -217,16 +215,13 @@ def _median_and_interval(ordered: Sequence[float], prefix: str) -> dict[str, Any
 @contextmanager
 def passthrough_proxy(upstream: str) -> Iterator[str]:
     """passthrough_proxy.py before `upstream`, for the block: its address."""
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.benchmarks.passthrough_proxy", upstream],
-                            stdout=subprocess.PIPE, text=True)
+    proxy = ServiceProcess(subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.benchmarks.passthrough_proxy", upstream], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True), "")
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if "listening on" not in line:
-            raise RuntimeError(f"the pass-through proxy did not start: {line!r}")
-        yield line.split()[2]
+        yield await_listening(proxy, "127.0.0.1:0", 60)
     finally:
-        stop_service(ServiceProcess(proc, ""))
+        stop_service(proxy)
 
 
 def run_real(args: argparse.Namespace, shape: Shape, arms: list[str]) -> dict[str, Any]:

@@ -37,11 +37,9 @@ import torch
 from ..kernels.linear_ops import bf16_path
 from ..services.executor.options import KV_CACHE_DTYPES
 from .executor import TEXTS, bench_hf, bench_ours
+from .peers import DEFAULT_VLLM_VENV, PEERS_DIR, tuned_preloads, vllm_python
 from .report import emit
 
-# the peers live in the repository (benchmarks/peers/), never in the wheel: `--peer` runs from a checkout
-PEERS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "peers"
-DEFAULT_VLLM_VENV = PEERS_DIR / ".venv-vllm"
 # how each round over TEXTS is worded, so that every prompt is distinct
 FRAMES = ["{text}", "Continue the text: {text}", "Read this, then go on.\n\n{text}", "Notes, part {round}: {text}"]
 
@@ -84,29 +82,6 @@ def run_hf(model: Any, pad_token_id: int, prompts: list[list[int]], new_tokens: 
     elapsed = time.perf_counter() - start
     assert out.shape[1] == width + new_tokens
     return len(prompts) * new_tokens / elapsed, out[:, width:].tolist()
-
-
-def vllm_python(venv: Path) -> Path:
-    python = venv / "bin" / "python"
-    if not python.is_file():
-        raise SystemExit(f"--peer vllm: no vLLM venv at {venv}; create it with benchmarks/peers/setup-vllm.sh "
-                         "(or give --peer-venv)")
-    return python
-
-
-def tuned_preloads(venv: Path) -> tuple[list[str], list[str]]:
-    """What vLLM's CPU docs ask to preload, found on this machine (tcmalloc: Debian's libtcmalloc-minimal4;
-    libiomp5: PyPI's intel-openmp in the peer venv), and the names of those missing."""
-    found, missing = [], []
-    tcmalloc = [Path(d) / "libtcmalloc_minimal.so.4" for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")]
-    iomp = sorted(venv.glob("lib/libiomp5.so")) + sorted(venv.glob("lib/python3*/site-packages/**/libiomp5.so"))
-    for name, candidates in (("libtcmalloc_minimal.so.4", tcmalloc), ("libiomp5.so", iomp)):
-        present = [c for c in candidates if c.is_file()]
-        if present:
-            found.append(str(present[0]))
-        else:
-            missing.append(name)
-    return found, missing
 
 
 def run_vllm(python: Path, hf_dir: Path, prompts: list[list[int]], new_tokens: int, kv_cache_mib: int, repeats: int,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,9 +46,10 @@ from ..services.common.processes import ServiceProcess, stop_service
 from ..services.executor.model.registry import resolve_model
 from ..services.executor.model.tokenizer import load_tokenizer
 from .hf_export import export_hf
+from .peers import DEFAULT_VLLM_VENV, tuned_preloads, vllm_python
 from .serve_openai import OpenAIClient
 from .serve_passes import PASSAGE, Generates, Outcome, cut, pct, progress
-from .stack import start_stack
+from .stack import free_port, start_stack
 
 VLLM_START_TIMEOUT_S = 900.0  # its first start compiles
 
@@ -65,8 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output-len", type=int, default=128)
     group.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                        help="the pod's weights (with --peer, vLLM's too)")
-    group.add_argument("--peer-venv", type=Path,
-                       default=Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / ".venv-vllm")
+    group.add_argument("--peer-venv", type=Path, default=DEFAULT_VLLM_VENV)
     group.add_argument("--peer-kv-cache-mib", type=int, default=4096, help="vLLM's KV space")
     group.add_argument("--repeats", type=int, default=1,
                        help="rounds of every side at every level, both servers up (medians; per-round ratios)")
@@ -106,16 +105,9 @@ def pass_keys(outcomes: Sequence[Outcome], start: float) -> dict[str, Any]:
             "e2e_ms_p50": round(pct([o.e2e_ms for o in outcomes], 50), 1), "completion_tokens": tokens}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def vllm_server(args: argparse.Namespace, log: Any) -> Iterator[str]:
     """vLLM's OpenAI server (`vllm serve`) on a loopback port, tuned; its base URL once /health answers 200."""
-    from .offline import tuned_preloads, vllm_python  # bench offline's peer helpers (offline.py imports torch)
 
     python, port = vllm_python(args.peer_venv), free_port()
     hf_dir = export_hf(args.model)
@@ -154,7 +146,6 @@ def wait_http(url: str, proc: subprocess.Popen[str], timeout: float) -> None:
 
 def run_peer(args: argparse.Namespace, grpc_client: Callable[[str], Generates]) -> dict[str, Any]:
     """`grpc_client(address)`: serve.py's gRPC client."""
-    from .offline import vllm_python
 
     levels = concurrencies(args.max_concurrency)
     wall_start, load_start = time.monotonic(), round(os.getloadavg()[0], 2)

@@ -13,10 +13,15 @@ from typing import Any
 from ..services.common.processes import ServiceProcess, stop_service, wait_serving
 
 
-def start_stack(args: argparse.Namespace, log: Any, http_port: int = 0) -> ServiceProcess:
-    with socket.socket() as sock:  # a free loopback port
+def free_port() -> int:
+    """A loopback port free now (the OS's pick)."""
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+        return int(sock.getsockname()[1])
+
+
+def start_stack(args: argparse.Namespace, log: Any, http_port: int = 0) -> ServiceProcess:
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedserve", "serve", "--model", args.model, "--port", str(port), "--device",
            getattr(args, "device", "cpu"), "--status-interval", "5",
            "--max-streams-per-tenant", "1000000",  # one client sends the whole load: not what is measured

@@ -44,7 +44,7 @@ def start_service(
     )
     service = ServiceProcess(proc, "")
     try:
-        service.address = _await_listening(service, listen, timeout)
+        service.address = await_listening(service, listen, timeout)
         threading.Thread(target=_drain, args=(service,), daemon=True).start()
         if until_serving:
             wait_serving(service.address, timeout, proc)
@@ -102,7 +102,8 @@ def wait_serving(
     raise TimeoutError(f"{address} not SERVING after {timeout}s")
 
 
-def _await_listening(service: ServiceProcess, listen: str, timeout: float) -> str:
+def await_listening(service: ServiceProcess, listen: str, timeout: float) -> str:
+    """The address the child printed in its "listening on" line (its output kept until then)."""
     proc = service.proc
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
