@@ -37,8 +37,8 @@ import torch
 from ..kernels.linear_ops import bf16_path
 from ..services.executor.options import KV_CACHE_DTYPES
 from .executor import TEXTS, bench_hf, bench_ours
-from .peers import DEFAULT_VLLM_VENV, PEERS_DIR, tuned_preloads, vllm_python
 from .report import emit
+from .vllm_peer import DEFAULT_VLLM_VENV, PEERS_DIR, tuned_preloads, vllm_python
 
 # how each round over TEXTS is worded, so that every prompt is distinct
 FRAMES = ["{text}", "Continue the text: {text}", "Read this, then go on.\n\n{text}", "Notes, part {round}: {text}"]

@@ -23,7 +23,10 @@ events with text, as serve_openai.py does; over gRPC as token ids.
 Keys: `sides.<side>.c<C>` (sides `pagedserve_http`, `pagedserve_grpc`, `peer_http`) with `throughput_tok_s`,
 `ttft_ms_p50/p99`, `tpot_ms_p50/p99`, `e2e_ms_p50`; then per concurrency `<side>_vs_peer_c<C>`: throughput, TTFT p50
 and TPOT p50 as ratios to the peer's (the target: throughput >= 1.0, TTFT and TPOT <= 1.0), with the rounds'
-throughput ratios in `<side>_vs_peer_c<C>_rounds`.
+throughput ratios in `<side>_vs_peer_c<C>_rounds`. Where the benchmark started the server, each pass also gives
+the CPU its processes spent per generated token, `<role>_cpu_ms_per_token` (user + system time from /proc): the
+pod's `frontend`, `executor` and `block_manager` (its `supervisor` too), vLLM's `server` (the API server) and its
+`workers` (the engine core): what each door costs the host, beside what it costs the clock.
 """
 
 from __future__ import annotations
@@ -46,10 +49,10 @@ from ..services.common.processes import ServiceProcess, stop_service
 from ..services.executor.model.registry import resolve_model
 from ..services.executor.model.tokenizer import load_tokenizer
 from .hf_export import export_hf
-from .peers import DEFAULT_VLLM_VENV, tuned_preloads, vllm_python
 from .serve_openai import OpenAIClient
 from .serve_passes import PASSAGE, Generates, Outcome, cut, pct, progress
 from .stack import free_port, start_stack
+from .vllm_peer import DEFAULT_VLLM_VENV, tuned_preloads, vllm_python
 
 VLLM_START_TIMEOUT_S = 900.0  # its first start compiles
 
@@ -106,8 +109,9 @@ def pass_keys(outcomes: Sequence[Outcome], start: float) -> dict[str, Any]:
 
 
 @contextmanager
-def vllm_server(args: argparse.Namespace, log: Any) -> Iterator[str]:
-    """vLLM's OpenAI server (`vllm serve`) on a loopback port, tuned; its base URL once /health answers 200."""
+def vllm_server(args: argparse.Namespace, log: Any) -> Iterator[tuple[str, int]]:
+    """vLLM's OpenAI server (`vllm serve`) on a loopback port, tuned; its base URL once /health answers 200, and
+    its PID."""
 
     python, port = vllm_python(args.peer_venv), free_port()
     hf_dir = export_hf(args.model)
@@ -124,9 +128,37 @@ def vllm_server(args: argparse.Namespace, log: Any) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health", proc, VLLM_START_TIMEOUT_S)
-        yield url
+        yield url, proc.pid
     finally:
         stop_service(ServiceProcess(proc, url), grace=30)
+
+
+POD_ROLES = ("frontend", "executor", "block-manager")
+
+
+def process_cpu_s(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of `root` and its children, by role: a pod's processes by the command
+    they run (the root is the `supervisor`), any other server's root as `server` and its children as `workers`."""
+    tick = os.sysconf("SC_CLK_TCK")
+    spent: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        pid, ppid = int(entry.name), int(fields[1])
+        if pid != root and ppid != root:
+            continue
+        role = next((r for r in POD_ROLES if r.encode() in argv), None)
+        if role is None:
+            is_pod = b"serve" in argv and b"pagedserve" in argv
+            role = ("supervisor" if is_pod else "server") if pid == root else "workers"
+        key = role.replace("-", "_")
+        spent[key] = spent.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return spent
 
 
 def wait_http(url: str, proc: subprocess.Popen[str], timeout: float) -> None:
@@ -162,11 +194,13 @@ def run_peer(args: argparse.Namespace, grpc_client: Callable[[str], Generates]) 
             http_port = free_port()
             stack = start_stack(args, pod_log, http_port=http_port)
             servers.callback(stop_service, stack, 60)
-            peer_url = args.peer_url or servers.enter_context(vllm_server(args, peer_log))
+            peer_url, peer_pid = (args.peer_url, None) if args.peer_url else servers.enter_context(
+                vllm_server(args, peer_log))
             clients = {"pagedserve_http": OpenAIClient(f"http://127.0.0.1:{http_port}", tokenizer, None, None),
                        "pagedserve_grpc": grpc_client(stack.address),
                        "peer_http": OpenAIClient(peer_url, tokenizer, args.api_key if args.peer_url else None, None)}
-            rounds = [one_round(clients, passage, args, levels, r) for r in range(args.repeats)]
+            roots = {"pagedserve_http": stack.proc.pid, "pagedserve_grpc": stack.proc.pid, "peer_http": peer_pid}
+            rounds = [one_round(clients, roots, passage, args, levels, r) for r in range(args.repeats)]
         except BaseException:
             _print_tail(pod_log, "the pod")
             _print_tail(peer_log, "the peer")
@@ -186,10 +220,11 @@ def run_peer(args: argparse.Namespace, grpc_client: Callable[[str], Generates]) 
     return result
 
 
-def one_round(clients: dict[str, Generates], passage: list[int], args: argparse.Namespace, levels: list[int],
-              number: int) -> dict[str, dict[str, Any]]:
+def one_round(clients: dict[str, Generates], roots: dict[str, int | None], passage: list[int],
+              args: argparse.Namespace, levels: list[int], number: int) -> dict[str, dict[str, Any]]:
     """Every side at every level, the sides in turn (reversed every other round: no side always goes first); each
-    pass on prompts of its own, and each side warmed by a short request the first time."""
+    pass on prompts of its own, and each side warmed by a short request the first time. `roots`: each side's
+    server process where known, whose CPU per token each pass reports."""
     order = list(clients) if number % 2 == 0 else list(reversed(clients))
     result: dict[str, dict[str, Any]] = {}
     for side in order:
@@ -199,8 +234,14 @@ def one_round(clients: dict[str, Generates], passage: list[int], args: argparse.
         for i, c in enumerate(levels):
             prompts = random_prompts(passage, args.num_requests, args.input_len,
                                      first=(number * len(levels) + i) * args.num_requests)
-            result[side][f"c{c}"] = progress(f"round {number + 1} {side} c{c}", run_concurrent(
-                clients[side], prompts, args.output_len, c, f"{side}-r{number}-c{c}"))
+            root = roots[side]
+            before = process_cpu_s(root) if root is not None else {}
+            keys = run_concurrent(clients[side], prompts, args.output_len, c, f"{side}-r{number}-c{c}")
+            if root is not None:
+                after = process_cpu_s(root)
+                keys |= {f"{role}_cpu_ms_per_token": round((after[role] - before.get(role, 0.0)) * 1000
+                                                           / max(1, keys["completion_tokens"]), 3) for role in after}
+            result[side][f"c{c}"] = progress(f"round {number + 1} {side} c{c}", keys)
     return result
 
 

@@ -35,9 +35,11 @@ async def read(serving: Serving, request_id: str, stop: tuple[str, ...] = (), be
         while serving.backend.loop.engine.request(request_id) is not None:  # still in the engine
             assert time.monotonic() < deadline, "the request never finished"
             await asyncio.sleep(0.01)
-    chunks += [item async for item in stream]
-    assert isinstance(chunks.pop(), Usage)
-    return [chunk for chunk in chunks if isinstance(chunk, Chunk)]
+    *body, last = chunks + [item async for item in stream]
+    # the usage comes last: alone, or on the last chunk when the engine's end came with it
+    assert isinstance(last, Usage) or last.usage is not None
+    assert all(isinstance(chunk, Chunk) and chunk.usage is None for chunk in body)
+    return [*body, last] if isinstance(last, Chunk) else body
 
 
 def by_sample(chunks: list[Chunk]) -> dict[int, tuple[list[int], list[float], str, str | None]]:

@@ -360,6 +360,11 @@ def test_bench_serve_peer_url_compares_both_doors_with_the_peer(pod: Pod, tiny_c
             keys = side[level]
             assert keys["completion_tokens"] == 5 * 6, keys
             assert keys["throughput_tok_s"] > 0 and 0 < keys["ttft_ms_p50"] <= keys["e2e_ms_p50"] * 1.0001
+    for ours in ("pagedserve_http", "pagedserve_grpc"):  # the CPU of the pod it started, per process; none for a URL
+        keys = result["sides"][ours]["c1"]
+        assert keys["frontend_cpu_ms_per_token"] > 0 and keys["executor_cpu_ms_per_token"] > 0, keys
+        assert "block_manager_cpu_ms_per_token" in keys and "supervisor_cpu_ms_per_token" in keys
+    assert not any(key.endswith("_cpu_ms_per_token") for key in result["sides"]["peer_http"]["c1"])
     for ours in ("pagedserve_http", "pagedserve_grpc"):
         rounds = result[f"{ours}_vs_peer_c1_rounds"]  # two rounds, each its own ratio; the key their median
         assert len(rounds) == 2 and min(rounds) <= result[f"{ours}_vs_peer_c1"]["throughput"] <= max(rounds)

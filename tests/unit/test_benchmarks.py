@@ -176,7 +176,7 @@ def test_the_peer_ratio_is_against_the_faster_of_its_tuned_and_default_runs() ->
 
 
 def test_tuned_preloads_finds_libiomp5_in_the_peer_venv_and_names_what_is_missing(tmp_path: Path) -> None:
-    from pagedserve.benchmarks.peers import tuned_preloads
+    from pagedserve.benchmarks.vllm_peer import tuned_preloads
 
     found, missing = tuned_preloads(tmp_path)
     assert "libiomp5.so" in missing and not any(f.endswith("libiomp5.so") for f in found)
