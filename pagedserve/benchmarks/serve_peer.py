@@ -137,10 +137,13 @@ POD_ROLES = ("frontend", "executor", "block-manager")
 
 
 def process_cpu_s(root: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of `root` and its children, by role: a pod's processes by the command
-    they run (the root is the `supervisor`), any other server's root as `server` and its children as `workers`."""
+    """CPU seconds (user + system) so far of `root` and every process under it, by role: a pod's processes by the
+    command they run, with what runs under each (the root is the `supervisor`); any other server's root as
+    `server` and everything under it as `workers` (vLLM's engine core and the model's processes)."""
     tick = os.sysconf("SC_CLK_TCK")
-    spent: dict[str, float] = {}
+    parent: dict[int, int] = {}
+    spent_by_pid: dict[int, float] = {}
+    argv_of: dict[int, list[bytes]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -149,15 +152,24 @@ def process_cpu_s(root: int) -> dict[str, float]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:  # gone meanwhile
             continue
-        pid, ppid = int(entry.name), int(fields[1])
-        if pid != root and ppid != root:
+        pid = int(entry.name)
+        parent[pid], argv_of[pid] = int(fields[1]), argv
+        spent_by_pid[pid] = (int(fields[11]) + int(fields[12])) / tick
+    is_pod = b"pagedserve" in argv_of.get(root, []) and b"serve" in argv_of.get(root, [])
+    spent: dict[str, float] = {}
+    for pid, seconds in spent_by_pid.items():
+        line, role = pid, None  # walk up to the root: the first pod role met on the way names the process
+        while line != root and line in parent and line > 1:
+            role = role or next((r for r in POD_ROLES if r.encode() in argv_of[line]), None)
+            line = parent[line]
+        if line != root:
             continue
-        role = next((r for r in POD_ROLES if r.encode() in argv), None)
-        if role is None:
-            is_pod = b"serve" in argv and b"pagedserve" in argv
-            role = ("supervisor" if is_pod else "server") if pid == root else "workers"
+        if pid == root:
+            role = "supervisor" if is_pod else "server"
+        elif role is None or not is_pod:
+            role = "workers" if not is_pod else "supervisor"
         key = role.replace("-", "_")
-        spent[key] = spent.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        spent[key] = spent.get(key, 0.0) + seconds
     return spent
 
 
