@@ -5,8 +5,10 @@ Utilization is deterministic for a seed; latencies are only checked for presence
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -184,3 +186,26 @@ def test_tuned_preloads_finds_libiomp5_in_the_peer_venv_and_names_what_is_missin
     (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
     found, missing = tuned_preloads(tmp_path)
     assert str(tmp_path / "lib" / "libiomp5.so") in found and "libiomp5.so" not in missing
+
+
+def test_process_cpu_counts_every_process_under_a_server(tmp_path: Path) -> None:
+    """bench serve's CPU per token: a server whose work runs two levels down (vLLM's model) is counted whole."""
+    from pagedserve.benchmarks.serve_peer import process_cpu_s
+
+    script = tmp_path / "tree.py"
+    script.write_text("import subprocess, sys, time\n"
+                      "if sys.argv[1:] == ['leaf']:\n    end = time.monotonic() + 30\n"
+                      "    while time.monotonic() < end:\n        pass\n"
+                      "elif sys.argv[1:] == ['mid']:\n    subprocess.run([sys.executable, __file__, 'leaf'])\n"
+                      "else:\n    subprocess.run([sys.executable, __file__, 'mid'])\n")
+    root = subprocess.Popen([sys.executable, str(script)])
+    try:
+        deadline = time.monotonic() + 30
+        while (spent := process_cpu_s(root.pid)).get("workers", 0.0) < 0.5:  # the leaf, two levels down, spinning
+            assert time.monotonic() < deadline, spent
+            time.sleep(0.1)
+        assert set(spent) == {"server", "workers"} and spent["server"] < spent["workers"]
+    finally:
+        for child in subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split():
+            os.kill(int(child), signal.SIGKILL)
+        root.wait()
