@@ -164,10 +164,10 @@ def process_cpu_s(root: int) -> dict[str, float]:
             line = parent[line]
         if line != root:
             continue
-        if pid == root:
-            role = "supervisor" if is_pod else "server"
-        elif role is None or not is_pod:
-            role = "workers" if not is_pod else "supervisor"
+        if not is_pod:
+            role = "server" if pid == root else "workers"
+        elif pid == root or role is None:
+            role = "supervisor"
         key = role.replace("-", "_")
         spent[key] = spent.get(key, 0.0) + seconds
     return spent
