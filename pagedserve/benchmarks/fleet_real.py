@@ -215,9 +215,9 @@ def _median_and_interval(ordered: Sequence[float], prefix: str) -> dict[str, Any
 @contextmanager
 def passthrough_proxy(upstream: str) -> Iterator[str]:
     """passthrough_proxy.py before `upstream`, for the block: its address."""
-    proxy = ServiceProcess(subprocess.Popen(
+    proxy = ServiceProcess(subprocess.Popen(  # its stdout only carries the "listening on" line; gRPC logs to stderr
         [sys.executable, "-m", "pagedserve.benchmarks.passthrough_proxy", upstream], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True), "")
+        text=True), "")
     try:
         yield await_listening(proxy, "127.0.0.1:0", 60)
     finally:
