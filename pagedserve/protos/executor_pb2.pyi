@@ -161,8 +161,10 @@ class ExecuteRequest(_message.Message):
 
     @_builtins.property
     def released_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Sequences the block manager freed since the last step. A layout that keeps each sequence's KV in a
-        region of its own (virtual) releases their memory before the step; the paged layout ignores them.
+        """Sequences the block manager freed since the last step, released before this step's sequences: a
+        sequence freed and admitted again (a preemption by recompute) is also among them, and holds what this step
+        brings. A layout that keeps each sequence's KV in a region of its own (virtual) releases their memory
+        before the step; the paged layout ignores them.
         """
 
     @_builtins.property

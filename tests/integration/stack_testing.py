@@ -47,6 +47,10 @@ class Pod:
                *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        # read as it comes: `serve` echoes its children's logs, and a full pipe would stall them all
+        self.output: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.output.extend(self.proc.stdout), daemon=True)  # type: ignore
+        self._reader.start()
         wait_serving(self.address, 300, self.proc, credentials)  # type: ignore[arg-type]
         self.channel = (grpc.insecure_channel(self.address) if credentials is None
                         else grpc.secure_channel(self.address, credentials))
@@ -75,8 +79,9 @@ class Pod:
     def stop(self) -> str:
         self.channel.close()
         self.proc.send_signal(signal.SIGTERM)
-        out, _ = self.proc.communicate(timeout=60)
-        return out
+        self.proc.wait(timeout=60)
+        self._reader.join(timeout=10)
+        return "".join(self.output)
 
 
 class SplitPod:

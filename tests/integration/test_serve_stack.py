@@ -193,17 +193,27 @@ def test_preemption_under_a_tiny_budget_keeps_greedy_output(tiny_chat_model_dir:
     # way of stepping than `pod`'s, so that overlapped and serial steps are compared too
     other = "--no-overlap" if "--overlap" in pod.extra else "--overlap"
     small = Pod(tiny_chat_model_dir, "--num-blocks", "24", "--preemption-mode", mode, "--cpu-swap-mib", "1", other)
+    failure: grpc.RpcError | None = None
     try:
-        import concurrent.futures
-
-        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
             results = list(pool.map(lambda p: small.generate(p, max_tokens=40, ignore_eos=True)[1][0], PROMPTS))
-        assert results == expected
         status = small.wait_idle()
-        preemptions = status.num_preemptions_swap if mode == "swap" else status.num_preemptions_recompute
-        assert preemptions > 0
-    finally:
-        assert small.stop() is not None and small.proc.returncode == 0
+    except grpc.RpcError as exc:
+        failure = exc
+    output = small.stop()  # the pod's log, with its components' (a failed step's traceback)
+    assert failure is None, f"{failure}\n{output}"
+    assert results == expected, output
+    assert small.proc.returncode == 0 and "Traceback" not in output, output
+    preemptions = status.num_preemptions_swap if mode == "swap" else status.num_preemptions_recompute
+    assert preemptions > 0
+
+
+def test_serve_passes_on_its_childrens_logs_under_their_names(pod: Pod) -> None:
+    """`serve`'s own output holds each component's log lines, named (a traceback in the frontend must reach the
+    operator's log, not stay in a pipe that only a crash prints)."""
+    output = "".join(pod.output)
+    for name, service in (("executor", "Executor"), ("block-manager", "BlockManager"), ("frontend", "Inference")):
+        assert re.search(rf"^{name} \| .* serving pagedserve\.[a-z_]+\.v1\.{service} on ", output, re.M), output
 
 
 def test_serve_refuses_swap_without_a_swap_pool_before_loading_anything() -> None:

@@ -45,7 +45,8 @@ def steps(draw: st.DrawFn) -> list[StepInput]:
                 if draw(st.booleans()):
                     del tables[seq_id]
                     continue
-                # freed and admitted again in the same step (a preemption by recompute): it runs, then holds nothing
+                # freed and admitted again in the same step (a preemption by recompute): the release comes first,
+                # and it holds what this step brings
                 tables[seq_id] = list(tables[seq_id])
             change = draw(st.sampled_from(["none", "grow", "copy tail", "replace"]))
             if change == "grow":
@@ -84,6 +85,9 @@ def test_the_executor_runs_the_step_the_frontend_sent(run: list[StepInput]) -> N
         assert as_lists(received) == as_lists(step)
         assert (received.step_id, list(received.released_seq_ids)) == (step.step_id, list(step.released_seq_ids))
         assert request.epoch == 3
+        for seq_id in step.released_seq_ids:  # released before the step's sequences
+            sent.pop(seq_id, None)
+            sent_sampling.pop(seq_id, None)
         # a table is left out exactly when the same object went in an earlier step
         assert list(request.table_held) == [sent.get(s.seq_id) is s.block_table for s in step.sequences]
         assert [n == 0 for n, held in zip(request.block_table_lens, request.table_held, strict=True) if held] == \
@@ -110,9 +114,6 @@ def test_the_executor_runs_the_step_the_frontend_sent(run: list[StepInput]) -> N
         assert len(request.temperature) == held.count(False)
         sent.update({s.seq_id: s.block_table for s in step.sequences})
         sent_sampling.update({s.seq_id: s.sampling for s in sampled})
-        for seq_id in step.released_seq_ids:
-            sent.pop(seq_id, None)
-            sent_sampling.pop(seq_id, None)
 
 
 @settings(max_examples=100, deadline=None)
@@ -275,6 +276,33 @@ def test_a_same_batch_step_is_refused_unless_its_batch_and_inputs_are_held() -> 
     receiver.batch = (5, (), ())
     with pytest.raises(InvalidRequest, match="step 5 ran no sequences to run again"):
         step_from_proto(again, receiver, BS)
+
+
+def test_a_sequence_freed_and_admitted_again_in_one_step_is_held_for_the_next_same_batch() -> None:
+    """A preemption by recompute frees a sequence and admits it again in one step (its release and its new row
+    together): the release comes first, as the runner frees its KV before running the step, so its new table and
+    parameters are held after, and the next step may repeat the batch on both sides (once, a same_batch step
+    found sequence 2 not held: the release had been applied after the row)."""
+    sender, receiver, in_process = SentInputs(), HeldInputs(), HeldInputs()
+    old_table, new_table = [3, 4], [8, 9]
+    run = [StepInput([SequenceInput(2, [5, 6, 7], 0, old_table, [12, 13, 14], GREEDY)], step_id=1),
+           StepInput([SequenceInput(2, [5, 6, 7, 1], 0, new_table, [32, 33, 34, 35], GREEDY)], step_id=2,
+                     released_seq_ids=[2]),
+           StepInput((), step_id=3, same_batch=True)]
+    for step in run:
+        request = step_to_proto(step, 0, sender)
+        received = step_from_proto(request, receiver, BS)
+        receiver.commit_repeated(received) if received.same_batch else receiver.commit(received)
+        filled = in_process.fill(step, BS)
+        assert as_lists(filled) == as_lists(received)
+    assert as_lists(received) == [(2, [LAST_SAMPLED], 4, new_table, [36], GREEDY)]
+    assert receiver.tables == sender.tables == in_process.tables == {2: new_table}
+    # a same_batch step may not release one of its own batch: refused by the sender, and by the receiver
+    with pytest.raises(ValueError, match="step 4 is flagged same_batch, but it releases sequence 2 of that batch"):
+        step_to_proto(StepInput((), step_id=4, same_batch=True, released_seq_ids=[2]), 0, sender)
+    with pytest.raises(InvalidRequest, match="holds no block table or sampling parameters for sequence 2"):
+        step_from_proto(pb.ExecuteRequest(step_id=4, same_batch=True, released_seq_ids=[2]), receiver, BS)
+    assert receiver.tables == {2: new_table}  # a refused step changed nothing
 
 
 def test_a_step_the_scheduler_sends_unnamed_needs_the_batch_of_the_step_before() -> None:

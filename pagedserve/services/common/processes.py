@@ -29,13 +29,16 @@ LISTENING = re.compile(r"listening on (\S+) \(port (\d+)\)")
 class ServiceProcess:
     proc: subprocess.Popen[str]
     address: str
-    output: list[str] = field(default_factory=list)  # every line it printed (stdout and stderr)
+    output: list[str] = field(default_factory=list)  # the lines it printed (stdout and stderr), the latest kept
 
 
 def start_service(
-    args: Sequence[str], listen: str = "127.0.0.1:0", timeout: float = 300.0, until_serving: bool = True
+    args: Sequence[str], listen: str = "127.0.0.1:0", timeout: float = 300.0, until_serving: bool = True,
+    echo: str = "",
 ) -> ServiceProcess:
-    """Starts `pagedserve ARGS --listen LISTEN`, waits until it listens (and, by default, is SERVING)."""
+    """Starts `pagedserve ARGS --listen LISTEN`, waits until it listens (and, by default, is SERVING). With
+    `echo`, each line it prints once listening also goes to this process's stderr under that name (a
+    supervisor's log holds its children's: their warnings and tracebacks)."""
     # the child stops by itself if this process dies without stopping it (grpc_server.PARENT_PID_ENV)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
     proc = subprocess.Popen(
@@ -45,7 +48,7 @@ def start_service(
     service = ServiceProcess(proc, "")
     try:
         service.address = await_listening(service, listen, timeout)
-        threading.Thread(target=_drain, args=(service,), daemon=True).start()
+        threading.Thread(target=_drain, args=(service, echo), daemon=True).start()
         if until_serving:
             wait_serving(service.address, timeout, proc)
     except BaseException:
@@ -118,8 +121,17 @@ def await_listening(service: ServiceProcess, listen: str, timeout: float) -> str
     raise TimeoutError(f"no 'listening on' line within {timeout}s:\n{''.join(service.output)}")
 
 
-def _drain(service: ServiceProcess) -> None:
-    """Keeps reading the child's output so it never blocks on a full pipe."""
+KEPT_LINES = 2000  # of a child's output, for the errors that quote it: a long-lived child's log is not kept whole
+
+
+def _drain(service: ServiceProcess, echo: str) -> None:
+    """Keeps reading the child's output so it never blocks on a full pipe (and echoes it)."""
     assert service.proc.stdout is not None
+    output = service.output
     for line in service.proc.stdout:
-        service.output.append(line)
+        output.append(line)
+        if len(output) > 2 * KEPT_LINES:
+            del output[:KEPT_LINES]
+        if echo:
+            sys.stderr.write(f"{echo} | {line}")
+            sys.stderr.flush()

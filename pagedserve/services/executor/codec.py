@@ -48,10 +48,11 @@ def step_to_proto(step: StepInput, epoch: int = 0, held: SentInputs | None = Non
         sampling_fields = _sampling_fields(sampled, ())
     else:
         repeats = held.repeats(step.step_id, seq_ids, starts, token_lists)
+        held.release(step.released_seq_ids)  # first, as the receiver does: what the step brings is held after
         table_fields = _table_fields(held, seq_ids, tables)
         sampling_held = held.sent_sampling(list(compress(seq_ids, samplings)), sampled) if sampled else []
         sampling_fields = _sampling_fields(sampled, sampling_held)
-        held.record_sent(step, seq_ids, starts, token_lists)
+        held.record_batch(step.step_id, seq_ids, starts, token_lists)
         if (repeats and all(table_fields["table_held"]) and len(sampled) == len(seqs)
                 and not sampling_fields["temperature"]):
             # every sequence decodes what it sampled last step, into its held table's slot (the slot rule, which
@@ -107,7 +108,7 @@ def step_from_proto(r: pb.ExecuteRequest, held: HeldInputs | None = None, block_
     slot rule over `block_size`); InvalidRequest when their lengths disagree or an input is not held. Each
     repeated field is read once (a pass over one makes its ints anew), and in the steady state (every sequence
     decodes, every input held) nothing is walked by a Python loop. Changes nothing held."""
-    held = held if held is not None else HeldInputs()
+    held = held.without(r.released_seq_ids) if held is not None else HeldInputs()
     swap_out, swap_in, copies = ([(c.src, c.dst) for c in moves] for moves in (r.swap_out, r.swap_in, r.copies))
     if r.same_batch:
         named = next((name for name in SEQUENCE_FIELDS if len(getattr(r, name))), None)

@@ -7,8 +7,10 @@ and the steady decode step as "the last step's batch again" (`same_batch`). The 
 executor's client) decides what to leave out; the receiver (`HeldInputs`: the executor's server, the in-process
 port, and the runner's record of the tables it checked) fills it back in. Both follow one rule: an input is
 held from the step that brought it (sent; on the receiver's side accepted, queued) until its sequence is
-released or the executor resets. A step that fails voids the steps behind it, and the frontend fails its
-requests. Pure Python: the frontend, which never loads torch, holds both sides.
+released or the executor resets. A step's releases come before its sequences, as the runner frees a released
+sequence's KV before it runs the step: a sequence freed and admitted again in one step (a preemption by
+recompute) holds the inputs that step brought. A step that fails voids the steps behind it, and the frontend
+fails its requests. Pure Python: the frontend, which never loads torch, holds both sides.
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ class _HeldByBothSides:
         """Records a `same_batch` step of this very batch (made from it, or checked to be it): its inputs are held
         already, its positions one on."""
         assert self.batch is not None and step.step_id == self.batch[0] + 1, "not this batch's next step"
+        self.release(step.released_seq_ids)
         _, seq_ids, starts = self.batch
         self.batch = (step.step_id, seq_ids, tuple(map(operator.add, starts, repeat(1, len(starts)))))
-        self.release(step.released_seq_ids)
 
 
 class SentInputs(_HeldByBothSides):
@@ -85,6 +87,9 @@ class SentInputs(_HeldByBothSides):
             raise ValueError(f"{flagged} no batch of the step before is held")
         if self.batch[0] != step.step_id - 1:
             raise ValueError(f"{flagged} the batch held is step {self.batch[0]}'s")
+        released = set(step.released_seq_ids).intersection(self.batch[1])
+        if released:
+            raise ValueError(f"{flagged} it releases sequence {min(released)} of that batch")
         self.commit_repeated(step)
 
     def sent(self, seq_ids: Sequence[int], tables: Sequence[Sequence[int]]) -> tuple[list[bool], list[int]]:
@@ -113,18 +118,22 @@ class SentInputs(_HeldByBothSides):
             held.update(compress(zip(seq_ids, samplings, strict=True), map(operator.not_, mask)))
         return mask
 
-    def record_sent(self, step: StepInput, seq_ids: Sequence[int], starts: Sequence[int],
-                    token_lists: Sequence[Sequence[int]]) -> None:
-        """After the step's tables and parameters are recorded (`sent`, `sent_sampling`), as the receiver does
-        (`HeldInputs.commit`): its batch, then its releases (a sequence freed and admitted again in one step holds
-        nothing after)."""
-        self.record_batch(step.step_id, seq_ids, starts, token_lists)
-        self.release(step.released_seq_ids)
 
 
 class HeldInputs(_HeldByBothSides):
     """The receiver's side: fills a step's held inputs back in (InvalidRequest for one not held), and records
-    each step accepted (`commit`, `commit_repeated`). The `resolve_*` calls change nothing."""
+    each step accepted (`commit`, `commit_repeated`). The `resolve_*` calls change nothing; a step's are made
+    on the inputs held after its releases (`without`)."""
+
+    def without(self, seq_ids: Sequence[int]) -> HeldInputs:
+        """The inputs held once these sequences are released: this object when there are none (the usual step), else
+        a copy without them (a step's releases come before its sequences)."""
+        if not seq_ids:
+            return self
+        after = HeldInputs()
+        after.tables, after.samplings, after.batch = dict(self.tables), dict(self.samplings), self.batch
+        after.release(seq_ids)
+        return after
 
     def repeated_batch(self, step_id: int, block_size: int) -> list[SequenceInput]:
         """A `same_batch` step's sequences: the held batch's, each a decode of LAST_SAMPLED at its next position,
@@ -214,21 +223,22 @@ class HeldInputs(_HeldByBothSides):
         """An in-process executor's side (LocalExecutor), as the executor's server does it: a step the scheduler
         sent as `same_batch` with no sequences gets the held batch's (`repeated_batch`); every step is recorded."""
         if step.same_batch and not step.sequences:
-            step = replace(step, sequences=self.repeated_batch(step.step_id, block_size))
+            sequences = self.without(step.released_seq_ids).repeated_batch(step.step_id, block_size)
+            step = replace(step, sequences=sequences)
             self.commit_repeated(step)
         else:
             self.commit(step)
         return step
 
     def commit(self, step: StepInput, samplings_sent: bool = True) -> None:
-        """Records the step's inputs as held, and its batch; its sampling parameters only where some were sent
-        (else every one was held already)."""
+        """Records the step's releases, then its inputs as held, and its batch; its sampling parameters only where
+        some were sent (else every one was held already)."""
         seqs = step.sequences
+        self.release(step.released_seq_ids)
         self.tables.update(map(_ID_AND_TABLE, seqs))
         if samplings_sent:
             self.samplings.update(filter(_SAMPLING, map(_ID_AND_SAMPLING, seqs)))
         self.record_batch(step.step_id, list(map(_SEQ_ID, seqs)), list(map(_START, seqs)), list(map(_TOKENS, seqs)))
-        self.release(step.released_seq_ids)
 
 
 def _kept(before: Sequence[int] | None, table: Sequence[int]) -> int:

@@ -129,7 +129,7 @@ class Stack:
         `wait=False`, only until it listens: `_wait` then)."""
         print(f"pagedserve: starting the {name} ...", file=sys.stderr, flush=True)
         self.launches[name] = (argv, listen, timeout, serving_at)
-        self.services[name] = start_service(argv, listen=listen, timeout=timeout, until_serving=False)
+        self.services[name] = start_service(argv, listen=listen, timeout=timeout, until_serving=False, echo=name)
         if wait:
             self._wait(name)
 
