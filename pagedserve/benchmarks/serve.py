@@ -236,6 +236,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--max-num-seqs", type=int)
     stack.add_argument("--max-num-batched-tokens", type=int)
     stack.add_argument("--preemption-mode", choices=["recompute", "swap"])
+    stack.add_argument("--reserve-growth", action=argparse.BooleanOptionalAction,
+                       help="serve's growth reserve (default: serve's, on)")
     stack.add_argument("--threads", type=int, help="the executor's torch threads (default: serve's)")
     stack.add_argument("--device", default="cpu", help="the executor's device (cuda: the Triton kernels in bf16)")
     serve_peer.add_arguments(parser)

@@ -30,6 +30,8 @@ def start_stack(args: argparse.Namespace, log: Any, http_port: int = 0) -> Servi
                  "threads", "ttft_slo_ms", "tpot_slo_ms"):
         if getattr(args, flag) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if getattr(args, "reserve_growth", None) is False:
+        cmd.append("--no-reserve-growth")
     for flag in ("dtype", "kv_cache_dtype"):  # bench offline's; the other benchmarks keep the defaults
         if getattr(args, flag, None) is not None:
             cmd += [f"--{flag.replace('_', '-')}", getattr(args, flag)]

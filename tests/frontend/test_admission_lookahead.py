@@ -13,15 +13,18 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_model import EOS, VOCAB
 
 from pagedserve.benchmarks.standin_executor import StandInRunner, Timeline
 from pagedserve.services.block_manager.manager import BlockManager
 from pagedserve.services.common.cache_identity import CacheIdentity
+from pagedserve.services.common.kv_geometry import blocks_for
 from pagedserve.services.executor.engine_config import build_runner
 from pagedserve.services.executor.options import ExecutorConfig
 from pagedserve.services.frontend.engine import Engine, EngineLimits
-from pagedserve.services.frontend.growth import OutputLengths
+from pagedserve.services.frontend.growth import Growing, OutputLengths, peak_growth, total_growth
 from pagedserve.services.frontend.ports import LocalBlockManager, LocalExecutor
 from pagedserve.services.frontend.request import GenerationParams, Request, SeqStatus
 from pagedserve.services.frontend.scheduler import Scheduler, SchedulerConfig
@@ -89,12 +92,23 @@ def test_the_expected_length_is_capped_by_the_sequences_own_limit() -> None:
     with engine_over(num_blocks=64) as engine:
         short, long = add(engine, "short", 8, max_tokens=10), add(engine, "long", 8, max_tokens=100)
         lengths = engine.scheduler.output_lengths
-        assert lengths.expected_len(short.seqs[0], MAX_MODEL_LEN) == 8  # no estimate yet: nothing more
+        assert lengths.entry(short.seqs[0], MAX_MODEL_LEN).end == 8  # no estimate yet: nothing more
         expect_outputs_of(engine, 40)
-        assert lengths.expected_len(short.seqs[0], MAX_MODEL_LEN) == 8 + 10  # its max_tokens
-        assert lengths.expected_len(long.seqs[0], MAX_MODEL_LEN) == 8 + 40  # the typical output
-        long.seqs[0].token_ids += [7] * 50  # past the typical length: expected to stop now
-        assert lengths.expected_len(long.seqs[0], MAX_MODEL_LEN) == 58
+        assert lengths.entry(short.seqs[0], MAX_MODEL_LEN) == Growing(0, 8, 8 + 10)  # its max_tokens
+        assert lengths.entry(long.seqs[0], MAX_MODEL_LEN) == Growing(0, 8, 8 + 40)  # the typical output
+        long.seqs[0].token_ids += [7] * 50  # past the typical length, and no finished one was longer: stops now
+        assert lengths.entry(long.seqs[0], MAX_MODEL_LEN) == Growing(0, 58, 58, frees=False)
+
+
+def test_a_sequence_past_the_typical_length_is_expected_to_go_on_into_the_tail() -> None:
+    lengths = OutputLengths(window=100, min_observed=4, percentile=60)
+    for length in [10] * 60 + list(range(100, 140)):  # most stop at 10; the longer ones spread over 100-139
+        lengths.observe(length)
+    assert lengths.typical == 100 and lengths.expected_output(0) == 100
+    # past it: the tail percentile (10th) of the lengths beyond its own
+    assert lengths.expected_output(100) == 101 + (39 * 10 // 100) and lengths.expected_output(120) == 121 + 1
+    assert lengths.expected_output(139) == 139  # none longer: expected to stop now
+    assert OutputLengths().expected_output(7) == 7  # no estimate
 
 
 def test_finished_sequences_feed_the_estimate_and_aborted_ones_do_not() -> None:
@@ -105,8 +119,9 @@ def test_finished_sequences_feed_the_estimate_and_aborted_ones_do_not() -> None:
         engine.step()
         engine.abort("aborted")
         run_to_end(engine)
-        assert engine.scheduler.output_lengths.typical == 5  # the 35th percentile of eight 5s and eight 6s
-        engine.scheduler.output_lengths.observe(6)  # one more 6 does not move the 35th percentile
+        assert engine.scheduler.output_lengths.typical == 6  # the 60th percentile of eight 5s and eight 6s
+        for _ in range(11):  # 19 of 27 are 5s: past the 60th percentile
+            engine.scheduler.output_lengths.observe(5)
         assert engine.scheduler.output_lengths.typical == 5
 
 
@@ -119,6 +134,43 @@ def test_a_percentile_outside_its_range_is_refused(percentile: int) -> None:
 def test_an_estimate_needs_at_least_one_finished_sequence() -> None:
     with pytest.raises(ValueError, match="min_observed"):
         OutputLengths(window=8, min_observed=0)
+
+
+def brute_force_peak(seqs: list[Growing], block_size: int) -> int:
+    """The reserve's reference: every sequence's blocks at every step, each growing a token a step until its
+    expected end and holding nothing after it (one that does not free them holds its end's blocks throughout);
+    the most taken at once beyond what they hold now."""
+    steady = [s for s in seqs if not s.frees or s.end <= s.known]
+    ending = [s for s in seqs if s not in steady]
+    horizon = max((s.end - s.known for s in ending), default=0)
+    return sum(max(0, blocks_for(s.end, block_size) - s.held) for s in steady) + max(
+        [0] + [sum(blocks_for(s.known + t, block_size) for s in ending if s.known + t <= s.end)
+               - sum(s.held for s in ending) for t in range(horizon + 1)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 16), st.lists(st.tuples(st.integers(0, 30), st.integers(0, 300), st.integers(0, 200),
+                                              st.booleans()), max_size=12))
+def test_the_peak_bounds_the_brute_force_peak_within_a_block_a_sequence(
+        block_size: int, raw: list[tuple[int, int, int, bool]]) -> None:
+    seqs = [Growing(held, known, known + more, frees) for held, known, more, frees in raw]
+    exact = brute_force_peak(seqs, block_size)
+    peak = peak_growth(seqs, block_size)
+    assert exact <= peak <= exact + len(seqs)
+    # the sum of their growth, were they all to end at once, is never below the peak
+    assert exact <= total_growth(seqs, block_size)
+
+
+def test_the_peak_counts_the_blocks_a_sequence_frees_as_it_ends() -> None:
+    # blocks of 4. One sequence 8 tokens from its end, one 40: the first frees its 3 blocks (12 tokens) before the
+    # second has grown 40 tokens, so the peak is the second's growth less the block the first held
+    short, long = Growing(held=1, known=4, end=12), Growing(held=1, known=4, end=44)
+    assert total_growth([short, long], 4) == (3 - 1) + (11 - 1)
+    assert brute_force_peak([short, long], 4) == 11 - 1 - 1 == peak_growth([short, long], 4)
+    # one in the long tail is not counted on to free its blocks: its growth counts in full, throughout
+    assert peak_growth([Growing(held=1, known=4, end=12, frees=False), long], 4) == (3 - 1) + (11 - 1)
+    # one with nothing more to grow still needs the blocks of what it knows and has not computed
+    assert peak_growth([Growing(held=1, known=20, end=20)], 4) == 5 - 1
 
 
 # ---- admission ------------------------------------------------------------------------------------------
@@ -138,6 +190,7 @@ def test_a_running_sequences_expected_growth_is_reserved(reserve_growth: bool) -
         for _ in range(5):
             engine.step()
         assert running(second) is not reserve_growth
+        assert (engine.scheduler.num_reserve_holds > 0) is reserve_growth  # the metric's count
         run_to_end(engine)
         preemptions = engine.scheduler.num_preemptions["recompute"]
         assert preemptions == 0 if reserve_growth else preemptions > 0
@@ -167,7 +220,7 @@ def test_an_old_waiting_request_is_not_overtaken_and_is_admitted() -> None:
         early = [add(engine, f"early{i}", 8, max_tokens=30) for i in range(4)]
         engine.step()
         assert all(map(running, early))
-        old = add(engine, "old", 96, max_tokens=8)
+        old = add(engine, "old", 96, max_tokens=40)  # expected to reach 96 + 30 while the early ones run
         late: list[Request] = []
         for i in range(200):
             late.append(add(engine, f"late{i}", 4, max_tokens=4))  # one block each: each would fit alone

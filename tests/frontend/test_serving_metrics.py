@@ -138,7 +138,7 @@ def scrape_text(metrics: ServingMetrics, openmetrics: bool = False) -> str:
     manager.create(0, list(range(10)), b"ns")
     status = {"available": True, "num_recoveries": 0, "num_running": 1, "num_waiting": 0, "num_swapped": 0,
               "stats": manager.stats(), "num_preemptions_recompute": 2, "num_preemptions_swap": 0, "num_refused": 0,
-              "kv_cache_dtype": "bfloat16"}
+              "num_reserve_holds": 3, "kv_cache_dtype": "bfloat16"}
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServingCollector(lambda: _FakeLoop(status=status, metrics=metrics)))  # type: ignore[arg-type]
     return (generate_openmetrics if openmetrics else generate_latest)(registry).decode()
@@ -168,6 +168,7 @@ def test_the_exposition_parses_and_carries_the_histograms_and_counters() -> None
              for reason in ("stop", "length", "abort", "error")}
     assert ended == {"stop": 0, "length": 1, "abort": 1, "error": 0}  # every reason present from the start
     assert samples[("pagedserve_requests_finished_total", ())] == 1
+    assert samples[("pagedserve_admissions_held_by_reserve_total", ())] == 3
     assert samples[("pagedserve_prompt_tokens_total", ())] == 8
     assert samples[("pagedserve_generation_tokens_total", ())] == 3
     assert samples[("pagedserve_prefix_cache_queries_total", ())] == 10

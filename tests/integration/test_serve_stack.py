@@ -279,6 +279,7 @@ def test_metrics_endpoint_exports_load_and_goodput(pod: Pod) -> None:
     assert after[("pagedserve_time_to_first_token_slo_seconds", ())] == 2.0
     for mode in ("recompute", "swap"):
         assert ("pagedserve_preemptions_total", (("mode", mode),)) in after
+    assert after[("pagedserve_admissions_held_by_reserve_total", ())] == 0  # 256 blocks: never short of room
     assert after[("pagedserve_requests_refused_total", ())] == 0
     assert after[("pagedserve_finished_requests_per_second", ())] == status.finished_rps > 0
     # what the operator reads from the same text (operator/scrape.py)

@@ -49,6 +49,9 @@ class ServingCollector(Collector):
         for mode in ("recompute", "swap"):
             preemptions.add_metric([mode], status[f"num_preemptions_{mode}"])
         yield preemptions
+        yield CounterMetricFamily("pagedserve_admissions_held_by_reserve", "steps in which the growth reserve, not the"
+                                  " free blocks, kept the head of the queue waiting (--reserve-growth)",
+                                  value=status["num_reserve_holds"])
         yield CounterMetricFamily("pagedserve_requests_finished", "requests finished (stop or length)",
                                   value=totals.num_requests_finished)
         yield from _request_totals(totals)

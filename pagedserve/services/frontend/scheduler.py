@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..block_manager.contract import AdmitOp, BlockStats, DecodeOp, Op, OpOutcome, ReserveOp, SwapInOp, SwapOutOp
+from ..common.kv_geometry import blocks_for
 from ..executor.step_types import SampledToken, StepInput, new_row
 from .fast_paths import FastPaths
+from .growth import Growing, peak_growth, total_growth
 from .kv_client import KVClient, PlannedStep
 from .ports import BlockManagerPort
 from .queues import SequenceQueues
@@ -41,10 +43,9 @@ class SchedulerConfig:
     # the steady decode step sent as `same_batch` with no rows: for an executor port that holds the last batch
     # (RemoteExecutor, LocalExecutor); see fast_paths.py
     repeat_batches: bool = True
-    # admission leaves the running sequences the blocks they are expected to grow into (growth.py); False, the
-    # default: it admits while the free blocks cover the prompt, and preemption makes room later. Off by default:
-    # `bench blocks` preempts a tenth as often with it, but `bench serve` under a small cache (--kv-cache-mib 32)
-    # had a worse TTFT tail with it (p99 10-17 s against 1.7-6.9 s) and no fewer preemptions (docs/scheduler.md)
+    # admission leaves the running sequences the blocks they are expected to grow into at their peak (growth.py);
+    # False: it admits while the free blocks cover the prompt, and preemption makes room later. The servers turn it
+    # on by default (`--no-reserve-growth`); an offline batch (LLM) admits while blocks last
     reserve_growth: bool = False
 
 
@@ -73,6 +74,7 @@ class Scheduler(SequenceQueues):
         self.fast = FastPaths(config.block_size, config.max_model_len, kv.spare_lookahead, config.repeat_batches)
         self.starved = False  # a running sequence got no block in the last step
         self.num_preemptions = {"recompute": 0, "swap": 0}
+        self.num_reserve_holds = 0  # plans whose admission the growth reserve stopped, not the free blocks
         self.num_generated = 0  # tokens recorded by `update`, ever (the throughput metric's count)
         self._step_ids = itertools.count(1)
         self._admissions = itertools.count(1)  # private namespaces when nothing is shared
@@ -83,10 +85,11 @@ class Scheduler(SequenceQueues):
         return self.kv.stats
 
     def status(self) -> dict[str, Any]:
-        """The queues' lengths, the block statistics and the preemptions so far (the server's Status)."""
+        """The queues' lengths, the block statistics, the preemptions and the reserve's holds so far (the server's
+        Status, the metrics)."""
         return {"num_running": len(self.running), "num_waiting": len(self.waiting), "num_swapped": len(self.swapped),
                 "stats": self.kv.stats, "num_preemptions_recompute": self.num_preemptions["recompute"],
-                "num_preemptions_swap": self.num_preemptions["swap"]}
+                "num_preemptions_swap": self.num_preemptions["swap"], "num_reserve_holds": self.num_reserve_holds}
 
     # ---- planning ------------------------------------------------------------------------------------
 
@@ -151,29 +154,35 @@ class Scheduler(SequenceQueues):
     def _admit(self, room: int, budget: int) -> None:
         """Admits waiting sequences in order while they fit: the first that does not stops it (nothing starves).
         One fits when the free blocks cover its chunk and, with `reserve_growth`, the growth expected of the
-        running sequences and of those admitted before it (growth.py); with nothing running, its chunk alone
-        decides, so a request that fits the cache is always admitted. The block manager learns only the tokens
-        up to the target, so that a prefix hit can never make it reserve (and the executor compute) a token meant
-        for after a fork."""
-        growth: int | None = None if self.config.reserve_growth and self.running else 0  # reckoned when needed
+        running sequences, of those admitted before it and of itself at its expected peak (growth.py); with
+        nothing running, its chunk alone decides, so a request that fits the cache is always admitted. The block
+        manager learns only the tokens up to the target, so that a prefix hit can never make it reserve (and the
+        executor compute) a token meant for after a fork."""
+        group: list[Growing] | None = None  # the running sequences and those admitted so far, reckoned when needed
+        taken = 0  # blocks the admitted ones took from the free ones
         for seq in self.waiting:
             target = self._target_len(seq)
             chunk = min(target, budget)
             blocks = self.kv.blocks_needed(seq, chunk)
             if room <= 0 or chunk <= 0 or blocks > self.kv.free_estimate or seq.num_pending:
                 break
-            if growth is None:
-                growth = self._growth(self.running)
-            if blocks + growth > self.kv.free_estimate:
-                break
+            if self.config.reserve_growth:
+                if group is None:
+                    group = [self.output_lengths.entry(s, self.config.max_model_len) for s in self.running]
+                # what it holds once admitted without taking a free block: the blocks its prefix hit reuses
+                group.append(self.output_lengths.entry(seq, self.config.max_model_len,
+                                                       held=blocks_for(chunk, self.config.block_size) - blocks))
+                if len(group) > 1 and not self._fits(group, self.kv.free_estimate + taken):
+                    self.num_reserve_holds += 1  # (alone in the cache it is admitted whatever its expected growth)
+                    break
+                taken += blocks
             self.kv.admit(seq, seq.token_ids[:target], self._namespace(seq), chunk, blocks)
             room, budget = room - 1, budget - chunk
-            if self.config.reserve_growth:  # what it will take beyond its chunk: the rest of its prompt, its output
-                growth += self._growth([seq]) - blocks
 
-    def _growth(self, seqs: list[Sequence]) -> int:
-        """Blocks the sequences are expected to take beyond those they hold (growth.py)."""
-        return self.output_lengths.reserve(seqs, self.config.block_size, self.config.max_model_len)
+    def _fits(self, group: list[Growing], free: int) -> bool:
+        """Whether the free blocks cover the group's expected growth: at once (the cheap bound), or at its peak."""
+        block_size = self.config.block_size
+        return total_growth(group, block_size) <= free or peak_growth(group, block_size) <= free
 
     def _make_room(self) -> None:
         """Preempts the newest running sequences until the free blocks cover what the others' next token needs."""

@@ -65,9 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="the model the executor serves (for its tokenizer)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=64, help="cap on running sequences")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512, help="token budget per step")
-    parser.add_argument("--reserve-growth", action="store_true",
-                        help="admit a request only if the running sequences keep room to grow (fewer preemptions, "
-                             "later admissions: docs/scheduler.md)")
+    parser.add_argument("--reserve-growth", action=argparse.BooleanOptionalAction, default=True,
+                        help="admit a request only if the running sequences keep room to grow at their expected "
+                             "peak (on by default; --no-reserve-growth admits while blocks last: docs/scheduler.md)")
     parser.add_argument("--max-waiting-requests", type=positive_int, default=256,
                         help="queue bound: past it new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--metrics-listen", default="", help="HOST:PORT to serve Prometheus /metrics on (off if empty)")

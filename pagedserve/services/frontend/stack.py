@@ -48,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_executor_arguments(parser)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="cap on running sequences")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    parser.add_argument("--reserve-growth", action="store_true",
-                        help="admission keeps room for the running sequences to grow (docs/scheduler.md)")
+    parser.add_argument("--reserve-growth", action=argparse.BooleanOptionalAction, default=True,
+                        help="admission keeps room for the running sequences to grow (on by default; "
+                             "docs/scheduler.md)")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="queue bound: past it new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
@@ -102,8 +103,8 @@ class Stack:
             frontend_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         if not args.overlap:
             frontend_args.append("--no-overlap")
-        if args.reserve_growth:
-            frontend_args.append("--reserve-growth")
+        if not args.reserve_growth:
+            frontend_args.append("--no-reserve-growth")
         if args.metrics_port:
             frontend_args += ["--metrics-listen", f"{args.host}:{args.metrics_port}"]
         if args.http_port:
