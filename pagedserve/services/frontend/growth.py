@@ -66,8 +66,9 @@ class OutputLengths:
             return so_far
         if so_far < self.typical:
             return self.typical
-        beyond = self._sorted[bisect.bisect_right(self._sorted, so_far):]
-        return beyond[len(beyond) * TAIL_PERCENTILE // 100] if beyond else so_far
+        first = bisect.bisect_right(self._sorted, so_far)  # the lengths beyond it: from here on, not copied
+        beyond = len(self._sorted) - first
+        return self._sorted[first + beyond * TAIL_PERCENTILE // 100] if beyond else so_far
 
     def entry(self, seq: Sequence, max_model_len: int, held: int | None = None) -> Growing:
         """The sequence as the reserve sees it: the tokens it knows (prompt and output so far, computed or not),
