@@ -24,7 +24,7 @@ from pagedserve.services.common.kv_geometry import blocks_for
 from pagedserve.services.executor.engine_config import build_runner
 from pagedserve.services.executor.options import ExecutorConfig
 from pagedserve.services.frontend.engine import Engine, EngineLimits
-from pagedserve.services.frontend.growth import Growing, OutputLengths, peak_growth, total_growth
+from pagedserve.services.frontend.growth import Growing, OutputLengths, forked_growth, peak_growth, total_growth
 from pagedserve.services.frontend.ports import LocalBlockManager, LocalExecutor
 from pagedserve.services.frontend.request import GenerationParams, Request, SeqStatus
 from pagedserve.services.frontend.scheduler import Scheduler, SchedulerConfig
@@ -169,6 +169,8 @@ def test_the_peak_counts_the_blocks_a_sequence_frees_as_it_ends() -> None:
     assert brute_force_peak([short, long], 4) == 11 - 1 - 1 == peak_growth([short, long], 4)
     # one in the long tail is not counted on to free its blocks: its growth counts in full, throughout
     assert peak_growth([Growing(held=1, known=4, end=12, frees=False), long], 4) == (3 - 1) + (11 - 1)
+    # a sample forked from a sequence of 10 tokens shares its 2 full blocks of 4 and grows its own past them
+    assert forked_growth(Growing(held=0, known=10, end=30), 4) == Growing(0, 2, 22)
     # one with nothing more to grow still needs the blocks of what it knows and has not computed
     assert peak_growth([Growing(held=1, known=20, end=20)], 4) == 5 - 1
 
@@ -194,6 +196,23 @@ def test_a_running_sequences_expected_growth_is_reserved(reserve_growth: bool) -
         run_to_end(engine)
         preemptions = engine.scheduler.num_preemptions["recompute"]
         assert preemptions == 0 if reserve_growth else preemptions > 0
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_the_samples_a_request_will_fork_are_reserved_for(n: int) -> None:
+    # 20 blocks of 4, outputs of 40 observed. The running request (4 + 40 tokens: 11 blocks at its end) and a
+    # waiting one of 8 + 20 tokens (7 blocks a sample): one sample fits beside it at the peak (6 + 7 - 1 of the
+    # 19 free), three do not (each forked sample grows 5 blocks past the 2 of the prompt they share)
+    with engine_over(num_blocks=20) as engine:
+        expect_outputs_of(engine, 40)
+        first = add(engine, "first", 4, max_tokens=40)  # as long as the estimate: it is right
+        engine.step()
+        prompt = [1 + i for i in range(8)]
+        forking = engine.add_request("forking", prompt, GenerationParams(max_tokens=20, n=n), final_only=True)
+        engine.step()
+        assert running(first) and running(forking) is (n == 1)
+        run_to_end(engine)
+        assert forking.finished and engine.scheduler.num_preemptions["recompute"] == 0
 
 
 def test_a_lone_request_is_admitted_whatever_the_estimate() -> None:

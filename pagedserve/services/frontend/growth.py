@@ -82,6 +82,13 @@ class OutputLengths:
                        frees=known - prompt < self.typical or not self.typical)
 
 
+def forked_growth(first: Growing, block_size: int) -> Growing:
+    """A sample forked from `first` once its prompt is computed: it shares the prompt's full blocks (neither taken
+    nor given back by it) and grows its own output past them to the same expected end."""
+    shared = first.known // block_size * block_size
+    return Growing(0, first.known - shared, first.end - shared, first.frees)
+
+
 def total_growth(seqs: list[Growing], block_size: int) -> int:
     """Blocks the sequences would take beyond those they hold, were they all to reach their expected ends at once:
     the reserve's upper bound, cheap to reckon."""

@@ -19,7 +19,7 @@ from ..block_manager.contract import AdmitOp, BlockStats, DecodeOp, Op, OpOutcom
 from ..common.kv_geometry import blocks_for
 from ..executor.step_types import SampledToken, StepInput, new_row
 from .fast_paths import FastPaths
-from .growth import Growing, peak_growth, total_growth
+from .growth import Growing, forked_growth, peak_growth, total_growth
 from .kv_client import KVClient, PlannedStep
 from .ports import BlockManagerPort
 from .queues import SequenceQueues
@@ -170,8 +170,11 @@ class Scheduler(SequenceQueues):
                 if group is None:
                     group = [self.output_lengths.entry(s, self.config.max_model_len) for s in self.running]
                 # what it holds once admitted without taking a free block: the blocks its prefix hit reuses
-                group.append(self.output_lengths.entry(seq, self.config.max_model_len,
-                                                       held=blocks_for(chunk, self.config.block_size) - blocks))
+                entry = self.output_lengths.entry(seq, self.config.max_model_len,
+                                                  held=blocks_for(chunk, self.config.block_size) - blocks)
+                group.append(entry)
+                if seq.index == 0 and seq.request.num_unforked:  # the samples it forks once its prompt is computed
+                    group += [forked_growth(entry, self.config.block_size)] * seq.request.num_unforked
                 if len(group) > 1 and not self._fits(group, self.kv.free_estimate + taken):
                     self.num_reserve_holds += 1  # (alone in the cache it is admitted whatever its expected growth)
                     break
