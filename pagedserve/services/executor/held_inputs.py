@@ -119,7 +119,6 @@ class SentInputs(_HeldByBothSides):
         return mask
 
 
-
 class HeldInputs(_HeldByBothSides):
     """The receiver's side: fills a step's held inputs back in (InvalidRequest for one not held), and records
     each step accepted (`commit`, `commit_repeated`). The `resolve_*` calls change nothing; a step's are made
