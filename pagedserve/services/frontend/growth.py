@@ -103,7 +103,7 @@ def peak_growth(seqs: list[Growing], block_size: int) -> int:
     bounded by a ceiling over the sum rather than summed per sequence (a block too many at most per sequence,
     never too few), so that the whole is a sort and one pass."""
     ending = [s for s in seqs if s.frees and s.end > s.known]
-    steady = sum(max(0, blocks_for(s.end, block_size) - s.held) for s in seqs if not s.frees or s.end <= s.known)
+    steady = total_growth([s for s in seqs if not s.frees or s.end <= s.known], block_size)
     growing = sorted((s.end - s.known, s.known) for s in ending)
     held = sum(s.held for s in ending)  # what they hold now, and give back as each ends
     known, alive, peak = sum(s.known for s in ending), len(ending), 0
