@@ -51,7 +51,12 @@ class Pod:
         self.output: list[str] = []
         self._reader = threading.Thread(target=lambda: self.output.extend(self.proc.stdout), daemon=True)  # type: ignore
         self._reader.start()
-        wait_serving(self.address, 300, self.proc, credentials)  # type: ignore[arg-type]
+        try:
+            wait_serving(self.address, 300, self.proc, credentials)  # type: ignore[arg-type]
+        except (RuntimeError, TimeoutError) as error:
+            self.proc.kill()
+            self._reader.join(timeout=10)
+            raise RuntimeError(f"{error}; the pod's log:\n{''.join(self.output)}") from error
         self.channel = (grpc.insecure_channel(self.address) if credentials is None
                         else grpc.secure_channel(self.address, credentials))
         self.stub = pb_grpc.InferenceStub(self.channel)

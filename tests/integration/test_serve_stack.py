@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -236,6 +237,19 @@ def test_a_frontend_waiting_for_its_sidecars_stops_at_sigterm(tmp_path: Path) ->
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_frontend_whose_http_port_is_taken_says_so_and_stops_its_grpc_server(tmp_path: Path) -> None:
+    missing = f"unix:{tmp_path}/nothing.sock"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        http = f"127.0.0.1:{taken.getsockname()[1]}"
+        run = subprocess.run([sys.executable, "-m", "pagedserve", "frontend", "--block-manager", missing, "--executor",
+                              missing, "--listen", "127.0.0.1:0", "--http-listen", http],
+                             capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and f"cannot listen on http://{http}: Address already in use" in run.stderr, run.stderr
+    assert "Event loop is closed" not in run.stderr  # its gRPC server, already up, was stopped before the exit
 
 
 def test_a_frontend_refuses_a_limit_below_one() -> None:

@@ -346,20 +346,26 @@ async def serve_until_signalled(
     # the address is known (and health answers NOT_SERVING) before the warm-up, which may take a while;
     # supervisors read the first such line as the service's address
     print(f"listening on {service.listen} (port {service.port})", flush=True)
-    for other in also:
-        await other.start()
-        log.info("also listening on %s", other.listen)
-    if warm_up is not None:
-        warming = asyncio.ensure_future(warm_up())
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({warming, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not warming.done():  # SIGTERM while loading a model or waiting for the sidecars: leave now
-            log.info("stopping during the warm-up")
-            await asyncio.gather(*(each.stop(grace=0) for each in (service, *also)))
-            shutdown_tracing()
-            os._exit(0)  # the warm-up's thread (a load, a wait) cannot be interrupted, and exit would join it
-        stopping.cancel()
-        warming.result()  # its error, if it failed
+    started: list[Listener] = [service]
+    try:
+        for other in also:
+            await other.start()
+            started.append(other)
+            log.info("also listening on %s", other.listen)
+        if warm_up is not None:
+            warming = asyncio.ensure_future(warm_up())
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({warming, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not warming.done():  # SIGTERM while loading a model or waiting for the sidecars: leave now
+                log.info("stopping during the warm-up")
+                await asyncio.gather(*(each.stop(grace=0) for each in started))
+                shutdown_tracing()
+                os._exit(0)  # the warm-up's thread (a load, a wait) cannot be interrupted, and exit would join it
+            stopping.cancel()
+            warming.result()  # its error, if it failed
+    except BaseException:  # a port taken, a failed warm-up: what did start stops before the error is raised
+        await asyncio.gather(*(each.stop(grace=0) for each in started))
+        raise
     # Everything alive now (modules, the model, tables) lives as long as the process: moved out of the
     # collector's generations, full collections stop walking it, which kept stalling steps by 10-25 ms.
     gc.freeze()

@@ -139,8 +139,10 @@ class Stack:
         service = self.services[name]
         try:
             wait_serving(serving_at or service.address, timeout, service.proc)
-        except BaseException:
+        except BaseException as exc:
             stop_service(service)  # not serving in time: found dead next round (a restart counts it)
+            if isinstance(exc, (RuntimeError, TimeoutError)):
+                raise RuntimeError(f"the {name}: {exc}") from exc
             raise
 
     def dead(self) -> tuple[str, ServiceProcess] | None:
