@@ -326,7 +326,7 @@ def _section_timers(model: Any) -> Iterator[collections.defaultdict[str, float]]
         matmul = cpu_decode._matmul
         functions += [(cpu_decode, "native_library", ""), (cpu_decode, "_matmul", "")]
         replacements = {"native_library": lambda: timed_library,
-                        "_matmul": lambda b, dtype: timed("matmul: linear layers", matmul(b, dtype))}
+                        "_matmul": lambda b: timed("matmul: linear layers", matmul(b))}
     else:
         for layer in model.layers:
             modules += [(lin, "forward", "matmul: linear layers") for lin in (

@@ -1,6 +1,7 @@
 """The CPU's kernels in C, built at first use and called through ctypes: decode attention
 (`paged_decode_attention_cpu.c`), a layer's per-token ops in fp32 and bf16 (`cpu_layer_ops.c`, wrapped in
-cpu_layer_ops.py) and the logits' normalizer (`cpu_logits.c`, wrapped in logits_ops.py). The bf16 kernels widen and
+cpu_layer_ops.py), the logits' normalizer (`cpu_logits.c`, wrapped in logits_ops.py) and the fp32 matmul over
+packed weights (`cpu_gemm.c`, wrapped in linear_ops.py). The bf16 kernels widen and
 round with integer shifts, so they run on any x86-64 (an AVX2 CPU too); the matmuls' bf16 path is linear_ops.py's.
 
 The sources are compiled on the machine that runs them (`-march=native`: the AVX2 or AVX-512 of this CPU)
@@ -40,7 +41,7 @@ import torch
 from ._common import CacheShape, check_block_tables, check_kv_cache
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention_cpu.c", "cpu_layer_ops.c",
-                                                                   "cpu_logits.c"))
+                                                                   "cpu_logits.c", "cpu_gemm.c"))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 # -fno-trapping-math: the kernels never read floating-point exception flags, and without it gcc vectorizes
 # no loop that selects between values (exp's clamp, SiLU's two halves) unless the CPU has AVX-512's masks:
@@ -67,6 +68,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {  # each function's ret
     "decode_attention_layer_f32": (
         ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64,
                        _I64, _I64, _I64, _F32, _I64]),
+    "gemm_panel_columns": (_I64, []),
+    "gemm_pack_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64]),
+    "gemm_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64]),
     # a bf16 model's (cpu_layer_ops.c's second half): the fp32 ones' arguments, bf16 tensors
     "rms_norm_bf16": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _I64]),
     "add_rms_norm_bf16": (None, [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _I64]),

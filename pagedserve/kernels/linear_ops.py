@@ -1,14 +1,14 @@
-"""A linear layer's matmul: torch's `F.linear`, or on the CPU oneDNN's with the weight packed once.
+"""A linear layer's matmul: torch's `F.linear`, or on the CPU one over the weight packed once.
 
 `F.linear` on the CPU hands each call to MKL's GEMM, which repacks the weight into its own blocked layout
 every time: at a decode step's shapes (64 rows against SmolLM2's 576 x 3072 gate/up weight) that copy is a
-fifth of the GEMM. `linear_packed` keeps each weight in oneDNN's blocked layout (`PackedWeight`, made at the
-layer's first call) and multiplies by it directly: the layers of a 64-sequence decode step 110 -> 77 ms, the
-LM head 43 -> 19 ms (docs/performance.md). Results differ from `F.linear` by summation order only.
+fifth of the GEMM. `linear_packed` keeps each weight packed (`PackedWeight`, made at the layer's first call) and
+multiplies by it directly. Results differ from `F.linear` by summation order only.
 
-The packed copy is kept beside the weight (the torch backend, the state dict and tied embeddings read the
-weight), so the linear layers' weights take twice their memory on the CPU backend, until the weight is let go
-(`PackedWeight.release`: what a served model does with its linear layers' weights once loaded).
+An fp32 weight is packed into column panels for `cpu_gemm.c` (where the CPU kernels build here: cpu_native.py):
+each output one chain of fused multiply-adds in order, so a token's result is the same bits in a batch of any
+size, and the weights are streamed near the machine's read rate, which is what a decode step of few rows waits
+on (docs/kernels.md). Where the kernels do not build, oneDNN's packed layout and kernels take fp32 too.
 
 oneDNN keeps what it builds for each number of rows it sees (~0.5 MiB a shape) and does not give it back when its
 cache evicts one: one weight multiplied by every row count up to 2048 grew a process by 0.9 GiB, and by 7.3 GiB
@@ -16,16 +16,25 @@ once the cache had cycled. A server's prefill chunks come in every size, so the 
 one of 72 sizes below 2048 (`padded_rows`: exact below 16, then eight a power of two), the padding zeros and the
 extra rows cut from the result: the same sweep then grows it by 58 MiB, once.
 
-A bf16 model's weights are packed the same way, for oneDNN's bf16 kernels (bf16 in and out, fp32 sums): AMX
-tiles or AVX-512-BF16 where the CPU has them, AVX-512 with conversions where it has neither. A CPU without
-AVX-512 (AVX2) has no oneDNN bf16 kernel in torch: there the plain weight stands in for the packed one and the
-matmul is `F.linear`'s. `bf16_path` names which of these a process takes.
+The packed copy is kept beside the weight (the torch backend, the state dict and tied embeddings read the
+weight), so the linear layers' weights take twice their memory on the CPU backend, until the weight is let go
+(`PackedWeight.release`: what a served model does with its linear layers' weights once loaded).
+
+A bf16 model's weights are packed for oneDNN's bf16 kernels (bf16 in and out, fp32 sums): AMX tiles or
+AVX-512-BF16 where the CPU has them, AVX-512 with conversions where it has neither. A CPU without AVX-512 (AVX2)
+has no oneDNN bf16 kernel in torch: there the plain weight stands in for the packed one and the matmul is
+`F.linear`'s. `bf16_path` names which of these a process takes.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from .cpu_native import cpu_unavailable_reason, native_library
 
 PACKED_LINEAR_AVAILABLE = torch.backends.mkldnn.is_available()
 _linear_pointwise = torch.ops.mkldnn._linear_pointwise if PACKED_LINEAR_AVAILABLE else None
@@ -78,10 +87,46 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return _linear_pointwise(x, packed, bias, "none", [], "")[:rows]
 
 
+@functools.cache
+def _gemm() -> ctypes.CDLL | None:
+    """The library with cpu_gemm.c's fp32 matmul, or None where the CPU kernels do not build here."""
+    return native_library() if cpu_unavailable_reason() is None else None
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight [out, in] as cpu_gemm.c's column panels [ceil(out / width), in, width], zeros past `out`."""
+    library = _gemm()
+    assert library is not None, "the CPU kernels do not build here"
+    width = library.gemm_panel_columns()
+    outputs, features = weight.shape
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    panels = torch.empty(-(-outputs // width), features, width)
+    library.gemm_pack_f32(weight.data_ptr(), weight.stride(0), outputs, features, panels.data_ptr(),
+                          torch.get_num_threads())
+    return panels
+
+
+def panels_linear(x: torch.Tensor, panels: torch.Tensor, outputs: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] (fp32, rows any distance apart) @ the weight packed by `pack_panels` (+ bias): [rows, outputs]."""
+    library = _gemm()
+    assert library is not None, "the CPU kernels do not build here"
+    if x.stride(1) != 1 and x.shape[1] > 1:
+        x = x.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    out = torch.empty(x.shape[0], outputs)
+    if x.shape[0]:
+        library.gemm_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], panels.data_ptr(), outputs,
+                         None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 class PackedWeight:
-    """One linear layer's weight in oneDNN's layout, packed from the weight at its first use, and packed again
-    whenever the weight is replaced or changed in place (its version counter), so it is never stale; or, once
-    released, the only copy there is. A bf16 weight where oneDNN has no bf16 kernel (`packs`) is kept as it is."""
+    """One linear layer's weight packed (fp32: `pack_panels`, where the CPU kernels build; else oneDNN's layout)
+    from the weight at its first use, and packed again whenever the weight is replaced or changed in place (its
+    version counter), so it is never stale; or, once released, the only copy there is. A bf16 weight where oneDNN
+    has no bf16 kernel (`packs`) is kept as it is."""
 
     __slots__ = ("_key", "_packed", "_released", "_source")
 
@@ -100,9 +145,23 @@ class PackedWeight:
             check_linear_dtype(weight=weight)
             with torch.no_grad():
                 plain = weight.detach()
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(plain, None) if packs(plain.dtype) else plain
+                if plain.dtype == torch.float32 and _gemm() is not None:
+                    self._packed = pack_panels(plain)
+                elif packs(plain.dtype):
+                    self._packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
+                else:
+                    self._packed = plain
             self._source, self._key = weight, key
         return self._packed
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, in] @ `weight` (packed at first use; its shape is enough once released) + bias, unchecked."""
+        packed = self.of(weight)
+        if packed.dim() == 3:  # cpu_gemm.c's panels
+            return panels_linear(x, packed, weight.shape[0], bias)
+        if packs(x.dtype):
+            return onednn_linear(x, packed, bias)
+        return F.linear(x, packed, bias)
 
     def release(self, weight: torch.Tensor) -> torch.Tensor:
         """Packs `weight` and keeps only the packed copy from now on; returns a tensor on the meta device of
@@ -123,15 +182,13 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def linear_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """linear_ref through oneDNN with `weight` packed once into `packed`: fp32 or bf16 CPU tensors, x of the
-    weight's dtype (bf16 where oneDNN has no bf16 kernel: `F.linear` on the weight `packed` keeps). oneDNN writes a
-    tensor of its own, so `out` is not used (the allocator reuses the freed one from the step before)."""
+    """linear_ref with `weight` packed once into `packed`: fp32 or bf16 CPU tensors, x of the weight's dtype (bf16
+    where oneDNN has no bf16 kernel: `F.linear` on the weight `packed` keeps). The packed matmuls write a tensor of
+    their own, so `out` is not used (the allocator reuses the freed one from the step before)."""
     check_linear_dtype(x=x)  # the weight's device: checked where it is packed
     if x.shape[-1] != weight.shape[1]:  # oneDNN's own message would not say which
         raise ValueError(f"x has {x.shape[-1]} features, the weight {tuple(weight.shape)} takes {weight.shape[1]}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x is {x.dtype}, the weight {weight.dtype}: the packed matmul takes one dtype")
-    if not packs(x.dtype):
-        return F.linear(x, packed.of(weight), bias)
-    rows = onednn_linear(x.reshape(-1, x.shape[-1]), packed.of(weight), bias)
+    rows = packed.matmul(x.reshape(-1, x.shape[-1]), weight, bias)
     return rows.view(*x.shape[:-1], weight.shape[0])

@@ -1,7 +1,14 @@
-"""The packed linear (oneDNN, weight packed once) against fp64 matmuls, its packed copy never stale, and the few row
-counts it hands oneDNN."""
+"""The packed linear (fp32: cpu_gemm.c's panels; bf16: oneDNN) against fp64 matmuls, a row's fp32 result the same
+bits in any batch, on any thread count and in every build of cpu_gemm.c with FMA, its packed copy never stale, and
+the few row counts it hands oneDNN."""
 
 from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,10 +65,11 @@ def test_only_padded_row_counts_reach_onednn_and_the_padding_is_cut_off(monkeypa
         return real(x, *args)
 
     monkeypatch.setattr(linear_ops, "_linear_pointwise", recording)
-    weight, b, packed = seeded(40, 24, seed=6), seeded(40, seed=7), PackedWeight()
+    weight, b = seeded(40, 24, seed=6), seeded(40, seed=7)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)  # fp32 in oneDNN's layout: where cpu_gemm.c is not
     for rows in (1, 15, 17, 33, 100, 129, 300):
         x = seeded(rows, 24, seed=rows)
-        got = linear_packed(x, weight, b, packed)
+        got = linear_ops.onednn_linear(x, packed, b)
         assert got.shape == (rows, 40) and got.is_contiguous()
         assert torch.allclose(got, x @ weight.t() + b, atol=1e-5)
     assert seen == [1, 15, 18, 36, 104, 144, 320]
@@ -130,3 +138,63 @@ def test_bf16_without_a_onednn_bf16_kernel_multiplies_the_plain_weight(monkeypat
     assert packed.of(weight).data_ptr() == weight.data_ptr()  # kept as it is, not copied
     packed.release(weight)
     assert torch.equal(linear_packed(x, torch.empty(40, 24, dtype=torch.bfloat16, device="meta"), None, packed), got)
+
+
+def test_an_fp32_rows_result_is_the_same_bits_in_any_batch_and_on_any_thread_count() -> None:
+    """cpu_gemm.c sums each output in one order whatever the tiling: a token's logits do not depend on its batch."""
+    assert linear_ops._gemm() is not None  # `make test` installs a C compiler
+    weight, b, packed = seeded(1000, 96, seed=16) / 96**0.5, seeded(1000, seed=17), PackedWeight()
+    assert packed.of(weight).dim() == 3  # cpu_gemm.c's panels
+    x = seeded(64, 96, seed=18)
+    whole = linear_packed(x, weight, b, packed)
+    for start, stop in [(0, 1), (5, 6), (3, 16), (10, 23), (0, 13), (40, 64), (1, 64)]:  # every tile remainder
+        assert torch.equal(linear_packed(x[start:stop], weight, b, packed), whole[start:stop])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(linear_packed(x, weight, b, packed), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_without_the_cpu_kernels_fp32_goes_through_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A mock of the machine, not of the code: a host without a C compiler cannot be had where the tests run
+    monkeypatch.setattr(linear_ops, "_gemm", lambda: None)
+    weight, x, packed = seeded(40, 24, seed=19), seeded(3, 24, seed=20), PackedWeight()
+    assert packed.of(weight).dim() == 2  # oneDNN's layout
+    assert torch.allclose(linear_packed(x, weight, None, packed), x @ weight.t(), atol=1e-5)
+
+
+def _gemm_build(tmp_path: Path, march: str) -> ctypes.CDLL:
+    """cpu_gemm.c alone for another instruction set, without OpenMP (its loops then run on one thread)."""
+    source = Path(linear_ops.__file__).with_name("cpu_gemm.c")
+    target = tmp_path / f"gemm-{march}.so"
+    subprocess.run(["gcc", "-O3", f"-march={march}", "-shared", "-fPIC", "-o", str(target), str(source)], check=True)
+    library = ctypes.CDLL(str(target))
+    library.gemm_panel_columns.restype = ctypes.c_int64
+    return library
+
+
+def _gemm_with(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    i64, width = ctypes.c_int64, library.gemm_panel_columns()
+    (outputs, features), rows = weight.shape, x.shape[0]
+    panels, out = torch.empty(-(-outputs // width), features, width), torch.empty(rows, outputs)
+    library.gemm_pack_f32(ctypes.c_void_p(weight.data_ptr()), i64(features), i64(outputs), i64(features),
+                          ctypes.c_void_p(panels.data_ptr()), i64(1))
+    library.gemm_f32(ctypes.c_void_p(x.data_ptr()), i64(features), i64(rows), i64(features),
+                     ctypes.c_void_p(panels.data_ptr()), i64(outputs), ctypes.c_void_p(b.data_ptr()),
+                     ctypes.c_void_p(out.data_ptr()), i64(1))
+    return out
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("gcc") is None, reason="x86-64 builds, by gcc")
+def test_the_avx2_build_gives_this_builds_bits_and_the_plain_one_is_as_close_to_fp64(tmp_path: Path) -> None:
+    """This machine's build (AVX-512 here, or AVX2) against cpu_gemm.c built for AVX2 with FMA (an AMD host's path)
+    and for plain x86-64 (no FMA: its C loops): every FMA build sums in the same order, so the bits are equal."""
+    weight, b, x = seeded(70, 200, seed=21) / 200**0.5, seeded(70, seed=22), seeded(29, 200, seed=23)
+    here = linear_packed(x, weight, b, PackedWeight())
+    assert torch.equal(_gemm_with(_gemm_build(tmp_path, "x86-64-v3"), x, weight, b), here)
+    plain = _gemm_with(_gemm_build(tmp_path, "x86-64"), x, weight, b)
+    expected = torch.nn.functional.linear(x.double(), weight.double(), b.double())
+    assert (plain.double() - expected).abs().max().item() <= 1e-5

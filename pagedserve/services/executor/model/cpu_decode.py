@@ -26,7 +26,7 @@ from ....kernels import KernelBackend
 from ....kernels._common import check_block_tables
 from ....kernels.backend import CPU_BACKEND
 from ....kernels.cpu_native import check_cpu_caches, check_status, native_library
-from ....kernels.linear_ops import linear_packed, onednn_linear, packs
+from ....kernels.linear_ops import linear_packed
 from ..attention import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def decode_forward(
                   *((attended_in.data_ptr(),) if bf16 else ()), n, heads, kv_heads, head_dim,
                   layers[0].self_attn.scale, threads)
     cache_args = (num_blocks, block_size) if bf16 else (kv_bf16, num_blocks, block_size)
-    matmul = _matmul(model.backend, x.dtype)
+    matmul = _matmul(model.backend)
     rms_norm, add_rms_norm, decode_attention, silu_and_mul = (
         (lib.rms_norm_bf16, lib.add_rms_norm_bf16, lib.decode_attention_layer_bf16, lib.silu_and_mul_bf16) if bf16
         else (lib.rms_norm_f32, lib.add_rms_norm_f32, lib.decode_attention_layer_f32, lib.silu_and_mul_f32))
@@ -120,11 +120,9 @@ def _cache_dtype(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv_heads: i
     return kv_bf16
 
 
-def _matmul(backend: KernelBackend, dtype: torch.dtype) -> Any:
-    """The backend's matmul without its per-call checks (the shapes are the model's own, fixed above): oneDNN's
-    on the packed weight, or F.linear where torch has no oneDNN (for `dtype`: `packs`)."""
-    if backend.linear is linear_packed and packs(dtype):
-        return lambda x, linear: onednn_linear(x, linear.packed.of(linear.weight), linear.bias)
-    if backend.linear is linear_packed:  # the weight as PackedWeight keeps it (the plain one may be released)
-        return lambda x, linear: F.linear(x, linear.packed.of(linear.weight), linear.bias)
+def _matmul(backend: KernelBackend) -> Any:
+    """The backend's matmul without its per-call checks (the shapes are the model's own, fixed above): over the
+    packed weight (the plain one may be released), or F.linear."""
+    if backend.linear is linear_packed:
+        return lambda x, linear: linear.packed.matmul(x, linear.weight, linear.bias)
     return lambda x, linear: F.linear(x, linear.weight, linear.bias)

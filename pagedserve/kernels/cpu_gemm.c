@@ -1,0 +1,126 @@
+/* An fp32 linear layer's matmul, y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias), over the weight packed once into
+ * column panels: panel p holds columns p*NB .. p*NB+NB-1 (zero past n) as [k][NB], so a panel is one sequential
+ * stream. Each output is one chain of fused multiply-adds over k = 0 .. k-1 in order, then the bias: its bits do not
+ * depend on the number of rows, how they are tiled, or the thread count (the same token gets the same logits
+ * alone or in any batch, and on any of these code paths that has FMA).
+ *
+ * Why not oneDNN's: at a decode step's few rows the matmul only streams the weights, and oneDNN's fp32 kernels read
+ * them at ~60 % of this machine's streaming rate. Here each thread streams its panels with a software prefetch a few
+ * KiB ahead, and a tile of up to MR rows is multiplied against a panel with MR x NB sums held in registers
+ * (docs/kernels.md). */
+
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define NB 32 /* two zmm registers of columns */
+#define MR 12 /* 24 sums + 2 weights + 1 broadcast of the 32 zmm registers */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define NB 16 /* two ymm registers */
+#define MR 6  /* 12 sums + 2 weights + 1 broadcast of the 16 ymm registers */
+#else
+#define NB 16
+#define MR 4
+#endif
+#define PREFETCH_ROWS 48 /* of a panel (NB floats each) ahead of the one being read: 6 KiB with AVX-512 */
+
+int64_t gemm_panel_columns(void) { return NB; }
+
+/* w [n, k] (rows `w_stride` apart) into ceil(n / NB) panels of [k][NB] at `packed`. */
+void gemm_pack_f32(const float *w, int64_t w_stride, int64_t n, int64_t k, float *packed, int64_t threads) {
+    int64_t panels = (n + NB - 1) / NB;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        float *panel = packed + p * k * NB;
+        for (int64_t j = 0; j < NB; j++) {
+            int64_t column = p * NB + j;
+            for (int64_t i = 0; i < k; i++) panel[i * NB + j] = column < n ? w[column * w_stride + i] : 0.0f;
+        }
+    }
+}
+
+static inline void finish(const float *sums, float *y, const float *bias, int64_t cols) {
+    if (bias != NULL)
+        for (int64_t j = 0; j < cols; j++) y[j] = sums[j] + bias[j];
+    else
+        memcpy(y, sums, (size_t)cols * sizeof(float));
+}
+
+/* `rows` (a constant once inlined: the sums stay in registers) rows of x against one panel. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride, const float *panel,
+                                                       int64_t k, float *y, int64_t y_stride, const float *bias,
+                                                       int64_t cols, const int rows) {
+    float sums[MR][NB];
+#if defined(__AVX512F__)
+    __m512 lo[MR], hi[MR];
+    for (int m = 0; m < rows; m++) lo[m] = hi[m] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        const float *w = panel + i * NB;
+        _mm_prefetch((const char *)(w + PREFETCH_ROWS * NB), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PREFETCH_ROWS * NB + 16), _MM_HINT_T0);
+        __m512 w_lo = _mm512_loadu_ps(w), w_hi = _mm512_loadu_ps(w + 16);
+        for (int m = 0; m < rows; m++) {
+            __m512 xv = _mm512_set1_ps(x[m * x_stride + i]);
+            lo[m] = _mm512_fmadd_ps(xv, w_lo, lo[m]);
+            hi[m] = _mm512_fmadd_ps(xv, w_hi, hi[m]);
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        _mm512_storeu_ps(sums[m], lo[m]);
+        _mm512_storeu_ps(sums[m] + 16, hi[m]);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 lo[MR], hi[MR];
+    for (int m = 0; m < rows; m++) lo[m] = hi[m] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        const float *w = panel + i * NB;
+        _mm_prefetch((const char *)(w + PREFETCH_ROWS * NB), _MM_HINT_T0);
+        __m256 w_lo = _mm256_loadu_ps(w), w_hi = _mm256_loadu_ps(w + 8);
+        for (int m = 0; m < rows; m++) {
+            __m256 xv = _mm256_set1_ps(x[m * x_stride + i]);
+            lo[m] = _mm256_fmadd_ps(xv, w_lo, lo[m]);
+            hi[m] = _mm256_fmadd_ps(xv, w_hi, hi[m]);
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        _mm256_storeu_ps(sums[m], lo[m]);
+        _mm256_storeu_ps(sums[m] + 8, hi[m]);
+    }
+#else
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < NB; j++) sums[m][j] = 0.0f;
+    for (int64_t i = 0; i < k; i++)
+        for (int m = 0; m < rows; m++)
+            for (int j = 0; j < NB; j++) sums[m][j] += x[m * x_stride + i] * panel[i * NB + j];
+#endif
+    for (int m = 0; m < rows; m++) finish(sums[m], y + m * y_stride, bias, cols);
+}
+
+/* y [rows, n] (contiguous) = x [rows, k] (rows `x_stride` apart) @ the packed weight^T (+ bias [n], or NULL). */
+void gemm_f32(const float *x, int64_t x_stride, int64_t rows, int64_t k, const float *packed, int64_t n,
+              const float *bias, float *y, int64_t threads) {
+    int64_t panels = (n + NB - 1) / NB, tiles = (rows + MR - 1) / MR;
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t m0 = t * MR, c0 = p * NB;
+            int64_t left = rows - m0, cols = n - c0 < NB ? n - c0 : NB;
+            const float *xs = x + m0 * x_stride, *panel = packed + p * k * NB, *b = bias ? bias + c0 : NULL;
+            float *ys = y + m0 * n + c0;
+            switch (left < MR ? left : MR) {
+#define TILE(r) \
+    case r: tile(xs, x_stride, panel, k, ys, n, b, cols, r); break;
+                TILE(1) TILE(2) TILE(3) TILE(4)
+#if MR > 4
+                TILE(5) TILE(6)
+#endif
+#if MR > 6
+                TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
+#endif
+#undef TILE
+            }
+        }
+}
