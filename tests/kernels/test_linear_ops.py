@@ -143,9 +143,9 @@ def test_bf16_without_a_onednn_bf16_kernel_multiplies_the_plain_weight(monkeypat
 def test_an_fp32_rows_result_is_the_same_bits_in_any_batch_and_on_any_thread_count() -> None:
     """cpu_gemm.c sums each output in one order whatever the tiling: a token's logits do not depend on its batch."""
     assert linear_ops._gemm() is not None  # `make test` installs a C compiler
-    weight, b, packed = seeded(1000, 96, seed=16) / 96**0.5, seeded(1000, seed=17), PackedWeight()
+    weight, b, packed = seeded(1000, 600, seed=16) / 600**0.5, seeded(1000, seed=17), PackedWeight()
     assert packed.of(weight).dim() == 3  # cpu_gemm.c's panels
-    x = seeded(64, 96, seed=18)
+    x = seeded(64, 600, seed=18)
     whole = linear_packed(x, weight, b, packed)
     for start, stop in [(0, 1), (5, 6), (3, 16), (10, 23), (0, 13), (40, 64), (1, 64)]:  # every tile remainder
         assert torch.equal(linear_packed(x[start:stop], weight, b, packed), whole[start:stop])
@@ -192,7 +192,7 @@ def _gemm_with(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, b: t
 def test_the_avx2_build_gives_this_builds_bits_and_the_plain_one_is_as_close_to_fp64(tmp_path: Path) -> None:
     """This machine's build (AVX-512 here, or AVX2) against cpu_gemm.c built for AVX2 with FMA (an AMD host's path)
     and for plain x86-64 (no FMA: its C loops): every FMA build sums in the same order, so the bits are equal."""
-    weight, b, x = seeded(70, 200, seed=21) / 200**0.5, seeded(70, seed=22), seeded(29, 200, seed=23)
+    weight, b, x = seeded(70, 300, seed=21) / 300**0.5, seeded(70, seed=22), seeded(29, 300, seed=23)
     here = linear_packed(x, weight, b, PackedWeight())
     assert torch.equal(_gemm_with(_gemm_build(tmp_path, "x86-64-v3"), x, weight, b), here)
     plain = _gemm_with(_gemm_build(tmp_path, "x86-64"), x, weight, b)
