@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import pagedserve
+from pagedserve.kernels.cpu_native import HEADERS, SOURCES
 
 
 def test_wheel_ships_the_package_and_nothing_else(tmp_path: Path) -> None:
@@ -21,10 +22,10 @@ def test_wheel_ships_the_package_and_nothing_else(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert top_level == {"pagedserve"}, top_level
+    kernel_sources = [f"kernels/{path.name}" for path in (*SOURCES, *HEADERS)]  # what the CPU kernels build from
     for module in ("cli.py", "operator/__init__.py", "kernels/__init__.py", "services/block_manager/manager.py",
                    "protos/block_manager_pb2.py", "protos/block_manager.proto", "benchmarks/blocks.py",
-                   "kernels/paged_decode_attention_cpu.c", "kernels/cpu_layer_ops.c", "kernels/cpu_logits.c",
-                   "kernels/cpu_math.h"):
+                   *kernel_sources):
         assert f"pagedserve/{module}" in names, module
     assert not any(name.startswith(("pagedserve/tests/", "pagedserve/benchmarks/peers")) for name in names)
     assert not any(name.endswith(("vllm_offline.py", "setup-vllm.sh")) for name in names)  # the peers stay out
