@@ -24,7 +24,14 @@ from pagedserve.services.common.kv_geometry import blocks_for
 from pagedserve.services.executor.engine_config import build_runner
 from pagedserve.services.executor.options import ExecutorConfig
 from pagedserve.services.frontend.engine import Engine, EngineLimits
-from pagedserve.services.frontend.growth import Growing, OutputLengths, forked_growth, peak_growth, total_growth
+from pagedserve.services.frontend.growth import (
+    Growing,
+    OutputLengths,
+    forked_growth,
+    peak_growth,
+    sharing_once,
+    total_growth,
+)
 from pagedserve.services.frontend.ports import LocalBlockManager, LocalExecutor
 from pagedserve.services.frontend.request import GenerationParams, Request, SeqStatus
 from pagedserve.services.frontend.scheduler import Scheduler, SchedulerConfig
@@ -173,6 +180,28 @@ def test_the_peak_counts_the_blocks_a_sequence_frees_as_it_ends() -> None:
     assert forked_growth(Growing(held=0, known=10, end=30), 4) == Growing(0, 2, 22)
     # one with nothing more to grow still needs the blocks of what it knows and has not computed
     assert peak_growth([Growing(held=1, known=20, end=20)], 4) == 5 - 1
+
+
+def test_samples_of_one_request_give_back_their_shared_prompt_blocks_once_the_last_ends() -> None:
+    # blocks of 4. Three samples of a 16-token prompt (4 shared full blocks), each with 4 tokens of its own (1
+    # block): 5 blocks in each table, 4 + 3 held. One ends in 4 tokens (2 blocks of its own then), two in 40
+    # (11 of their own); beside them a sequence growing from 1 block to 11. In truth the first's end gives back
+    # its 2 own blocks only: the shared 4 stay until the last sample ends
+    family = [Growing(held=5, known=20, end=24), Growing(held=5, known=20, end=60), Growing(held=5, known=20, end=60)]
+    other = Growing(held=1, known=4, end=44)
+
+    def truth(t: int) -> int:  # blocks in use t steps from now
+        alive = [s for s in family if s.known + t <= s.end]
+        own = sum(blocks_for(s.known + t, 4) - 4 for s in alive)
+        return (4 if alive else 0) + own + (blocks_for(other.known + t, 4) if other.known + t <= other.end else 0)
+
+    held_now = 4 + 3 * 1 + other.held
+    real_peak = max(truth(t) for t in range(41)) - held_now
+    reckoned = sharing_once(family, 16, 4)
+    assert reckoned[0] == Growing(held=1, known=4, end=8)  # without the shared blocks: it does not end last
+    assert peak_growth([*reckoned, other], 4) >= real_peak
+    assert peak_growth([*family, other], 4) < real_peak  # each sample's table counted as given back in full
+    assert sharing_once(family[:1], 16, 4) == family[:1] and sharing_once(family, 3, 4) == family  # nothing shared
 
 
 # ---- admission ------------------------------------------------------------------------------------------

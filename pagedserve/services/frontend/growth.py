@@ -89,6 +89,19 @@ def forked_growth(first: Growing, block_size: int) -> Growing:
     return Growing(0, first.known - shared, first.end - shared, first.frees)
 
 
+def sharing_once(family: list[Growing], shared: int, block_size: int) -> list[Growing]:
+    """Running samples of one request, which share the blocks of its prompt's first `shared` tokens: the one
+    expected to end last is reckoned with them, the others without (as `forked_growth`), so that the shared blocks
+    count as given back when the last ends, not when the first does (they are still held until then)."""
+    blocks = shared // block_size
+    if len(family) < 2 or not blocks:
+        return family
+    last = max(range(len(family)), key=lambda i: family[i].end - family[i].known)
+    return [s if i == last else Growing(max(0, s.held - blocks), s.known - blocks * block_size,
+                                        s.end - blocks * block_size, s.frees)
+            for i, s in enumerate(family)]
+
+
 def total_growth(seqs: list[Growing], block_size: int) -> int:
     """Blocks the sequences would take beyond those they hold, were they all to reach their expected ends at once:
     the reserve's upper bound, cheap to reckon."""

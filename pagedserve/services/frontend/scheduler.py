@@ -19,7 +19,7 @@ from ..block_manager.contract import AdmitOp, BlockStats, DecodeOp, Op, OpOutcom
 from ..common.kv_geometry import blocks_for
 from ..executor.step_types import SampledToken, StepInput, new_row
 from .fast_paths import FastPaths
-from .growth import Growing, forked_growth, peak_growth, total_growth
+from .growth import Growing, forked_growth, peak_growth, sharing_once, total_growth
 from .kv_client import KVClient, PlannedStep
 from .ports import BlockManagerPort
 from .queues import SequenceQueues
@@ -168,7 +168,7 @@ class Scheduler(SequenceQueues):
                 break
             if self.config.reserve_growth:
                 if group is None:
-                    group = [self.output_lengths.entry(s, self.config.max_model_len) for s in self.running]
+                    group = self._running_growth()
                 # what it holds once admitted without taking a free block: the blocks its prefix hit reuses
                 entry = self.output_lengths.entry(seq, self.config.max_model_len,
                                                   held=blocks_for(chunk, self.config.block_size) - blocks)
@@ -181,6 +181,22 @@ class Scheduler(SequenceQueues):
                 taken += blocks
             self.kv.admit(seq, seq.token_ids[:target], self._namespace(seq), chunk, blocks)
             room, budget = room - 1, budget - chunk
+
+    def _running_growth(self) -> list[Growing]:
+        """The running sequences as the reserve sees them, the samples of one request sharing its prompt's blocks
+        once (growth.sharing_once)."""
+        group: list[Growing] = []
+        families: dict[int, tuple[int, list[Growing]]] = {}  # request -> its prompt length and running samples
+        for seq in self.running:
+            entry = self.output_lengths.entry(seq, self.config.max_model_len)
+            if seq.request.params.n > 1:
+                families.setdefault(id(seq.request), (seq.num_prompt_tokens, []))[1].append(entry)
+            else:
+                group.append(entry)
+        block_size = self.config.block_size
+        for prompt, family in families.values():
+            group += sharing_once(family, prompt // block_size * block_size, block_size)
+        return group
 
     def _fits(self, group: list[Growing], free: int) -> bool:
         """Whether the free blocks cover the group's expected growth: at once (the cheap bound), or at its peak."""
