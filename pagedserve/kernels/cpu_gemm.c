@@ -11,19 +11,35 @@
 
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
 #if defined(__AVX512F__)
-#define NB 32 /* two zmm registers of columns */
+typedef __m512 vec;
+#define VW 16 /* floats a register */
 #define MR 12 /* 24 sums + 2 weights + 1 broadcast of the 32 zmm registers */
+#define vzero _mm512_setzero_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vset1 _mm512_set1_ps
+#define vfma _mm512_fmadd_ps
 #elif defined(__AVX2__) && defined(__FMA__)
-#define NB 16 /* two ymm registers */
-#define MR 6  /* 12 sums + 2 weights + 1 broadcast of the 16 ymm registers */
+typedef __m256 vec;
+#define VW 8
+#define MR 6 /* 12 sums + 2 weights + 1 broadcast of the 16 ymm registers */
+#define vzero _mm256_setzero_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vset1 _mm256_set1_ps
+#define vfma _mm256_fmadd_ps
+#else
+#define MR 4
+#endif
+#ifdef VW
+#define NB (2 * VW) /* a panel's columns: two registers */
 #else
 #define NB 16
-#define MR 4
 #endif
 #define PREFETCH_ROWS 48 /* of a panel (NB floats each) ahead of the one being read: 6 KiB with AVX-512 */
 
@@ -54,40 +70,23 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
                                                        int64_t k, float *y, int64_t y_stride, const float *bias,
                                                        int64_t cols, const int rows) {
     float sums[MR][NB];
-#if defined(__AVX512F__)
-    __m512 lo[MR], hi[MR];
-    for (int m = 0; m < rows; m++) lo[m] = hi[m] = _mm512_setzero_ps();
+#ifdef VW
+    vec lo[MR], hi[MR];
+    for (int m = 0; m < rows; m++) lo[m] = hi[m] = vzero();
     for (int64_t i = 0; i < k; i++) {
         const float *w = panel + i * NB;
-        _mm_prefetch((const char *)(w + PREFETCH_ROWS * NB), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + PREFETCH_ROWS * NB + 16), _MM_HINT_T0);
-        __m512 w_lo = _mm512_loadu_ps(w), w_hi = _mm512_loadu_ps(w + 16);
+        for (int line = 0; line < NB; line += 16) /* each 64-byte line of the panel's row ahead */
+            _mm_prefetch((const char *)(w + PREFETCH_ROWS * NB + line), _MM_HINT_T0);
+        vec w_lo = vload(w), w_hi = vload(w + VW);
         for (int m = 0; m < rows; m++) {
-            __m512 xv = _mm512_set1_ps(x[m * x_stride + i]);
-            lo[m] = _mm512_fmadd_ps(xv, w_lo, lo[m]);
-            hi[m] = _mm512_fmadd_ps(xv, w_hi, hi[m]);
+            vec xv = vset1(x[m * x_stride + i]);
+            lo[m] = vfma(xv, w_lo, lo[m]);
+            hi[m] = vfma(xv, w_hi, hi[m]);
         }
     }
     for (int m = 0; m < rows; m++) {
-        _mm512_storeu_ps(sums[m], lo[m]);
-        _mm512_storeu_ps(sums[m] + 16, hi[m]);
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 lo[MR], hi[MR];
-    for (int m = 0; m < rows; m++) lo[m] = hi[m] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < k; i++) {
-        const float *w = panel + i * NB;
-        _mm_prefetch((const char *)(w + PREFETCH_ROWS * NB), _MM_HINT_T0);
-        __m256 w_lo = _mm256_loadu_ps(w), w_hi = _mm256_loadu_ps(w + 8);
-        for (int m = 0; m < rows; m++) {
-            __m256 xv = _mm256_set1_ps(x[m * x_stride + i]);
-            lo[m] = _mm256_fmadd_ps(xv, w_lo, lo[m]);
-            hi[m] = _mm256_fmadd_ps(xv, w_hi, hi[m]);
-        }
-    }
-    for (int m = 0; m < rows; m++) {
-        _mm256_storeu_ps(sums[m], lo[m]);
-        _mm256_storeu_ps(sums[m] + 8, hi[m]);
+        vstore(sums[m], lo[m]);
+        vstore(sums[m] + VW, hi[m]);
     }
 #else
     for (int m = 0; m < rows; m++)
