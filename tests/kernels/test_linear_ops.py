@@ -143,11 +143,11 @@ def test_bf16_without_a_onednn_bf16_kernel_multiplies_the_plain_weight(monkeypat
 def test_an_fp32_rows_result_is_the_same_bits_in_any_batch_and_on_any_thread_count() -> None:
     """cpu_gemm.c sums each output in one order whatever the tiling: a token's logits do not depend on its batch."""
     assert linear_ops._gemm() is not None  # `make test` installs a C compiler
-    weight, b, packed = seeded(1000, 600, seed=16) / 600**0.5, seeded(1000, seed=17), PackedWeight()
+    weight, b, packed = seeded(980, 600, seed=16) / 600**0.5, seeded(980, seed=17), PackedWeight()  # an odd panel
     assert packed.of(weight).dim() == 3  # cpu_gemm.c's panels
-    x = seeded(64, 600, seed=18)
+    x = seeded(130, 600, seed=18)  # from 64 rows, tiles of 6 rows over two panels (AVX-512), below 12 rows over one
     whole = linear_packed(x, weight, b, packed)
-    for start, stop in [(0, 1), (5, 6), (3, 16), (10, 23), (0, 13), (40, 64), (1, 64)]:  # every tile remainder
+    for start, stop in [(0, 1), (5, 6), (3, 16), (10, 23), (0, 13), (40, 64), (1, 64), (0, 64), (3, 70), (60, 130)]:
         assert torch.equal(linear_packed(x[start:stop], weight, b, packed), whole[start:stop])
     threads = torch.get_num_threads()
     try:
@@ -191,10 +191,12 @@ def _gemm_with(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, b: t
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("gcc") is None, reason="x86-64 builds, by gcc")
 def test_the_avx2_build_gives_this_builds_bits_and_the_plain_one_is_as_close_to_fp64(tmp_path: Path) -> None:
     """This machine's build (AVX-512 here, or AVX2) against cpu_gemm.c built for AVX2 with FMA (an AMD host's path)
-    and for plain x86-64 (no FMA: its C loops): every FMA build sums in the same order, so the bits are equal."""
-    weight, b, x = seeded(70, 300, seed=21) / 300**0.5, seeded(70, seed=22), seeded(29, 300, seed=23)
-    here = linear_packed(x, weight, b, PackedWeight())
-    assert torch.equal(_gemm_with(_gemm_build(tmp_path, "x86-64-v3"), x, weight, b), here)
-    plain = _gemm_with(_gemm_build(tmp_path, "x86-64"), x, weight, b)
-    expected = torch.nn.functional.linear(x.double(), weight.double(), b.double())
-    assert (plain.double() - expected).abs().max().item() <= 1e-5
+    and for plain x86-64 (no FMA: its C loops): every FMA build sums in the same order, so the bits are equal. 70
+    rows: AVX-512 pairs panels there (the second one short at 50 outputs, one left over at 70)."""
+    avx2, plain = _gemm_build(tmp_path, "x86-64-v3"), _gemm_build(tmp_path, "x86-64")
+    for outputs in (50, 70):
+        weight, b, x = seeded(outputs, 300, seed=21) / 300**0.5, seeded(outputs, seed=22), seeded(70, 300, seed=23)
+        here = linear_packed(x, weight, b, PackedWeight())
+        assert torch.equal(_gemm_with(avx2, x, weight, b), here)
+        expected = torch.nn.functional.linear(x.double(), weight.double(), b.double())
+        assert (_gemm_with(plain, x, weight, b).double() - expected).abs().max().item() <= 1e-5
