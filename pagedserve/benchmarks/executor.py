@@ -28,6 +28,10 @@ caches (`stream_read_gb_s`). `decode_step_bound_over_matmul_64` (and `_bfloat16_
 plus the time those bytes take at that rate, over the matmuls: the step if attention cost only its reads,
 none of them overlapped with the GEMMs (which keep every core busy); `decode_step_over_bound_64` is the step over
 that bound, measured in the same run (target <= 1.05).
+
+`--prefill-prompts N` times a prefill step of N prompts of 128 tokens (4: the 512 tokens of `serve`'s default
+budget) the same way, against its linear layers at N x 128 rows (the LM head at N): `prefill_step_ms_512`,
+`prefill_matmul_ms_512`, `prefill_tok_s_512` (prompt tokens a second) and `prefill_step_over_matmul_512`.
 """
 
 from __future__ import annotations
@@ -106,6 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-context", type=int, default=80,
                         help="tokens each sequence of the decode step attends to (64 prompts x 128 new tokens"
                              " average ~75)")
+    parser.add_argument("--prefill-prompts", type=int, default=0,
+                        help="prompts of 128 tokens in the timed prefill step (0: skip)")
     parser.add_argument("--decode-breakdown", action="store_true",
                         help="also time the decode step's parts (matmuls, attention, norms, ...): decode_breakdown_ms")
     parser.add_argument("--decode-bound", action="store_true",
@@ -154,7 +160,61 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result.update(on_model_thread(functools.partial(
             bench_decode_step, llm, args.decode_seqs, args.decode_context, max(args.repeats, 5),
             breakdown=args.decode_breakdown, bound=args.decode_bound)))
+    if args.prefill_prompts > 0:
+        result.update(on_model_thread(bench_prefill_step, llm, args.prefill_prompts, PREFILL_LEN,
+                                      max(args.repeats, 5)))
     return result
+
+
+PREFILL_LEN = 128  # tokens a prompt in the timed prefill step: `bench serve`'s prompts
+
+
+Slots = Callable[[int, int, int], list[int]]  # (sequence, first position, count) -> their cache slots
+
+
+def _tables(num_seqs: int, tokens: int, block_size: int) -> tuple[list[list[int]], Slots]:
+    """Block tables for `num_seqs` sequences of up to `tokens` tokens, side by side in a cache of their own, and
+    the slots of a sequence's positions."""
+    blocks_per_seq = -(-tokens // block_size)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
+
+    def slots(seq: int, start: int, count: int) -> list[int]:
+        return [tables[seq][p // block_size] * block_size + p % block_size for p in range(start, start + count)]
+
+    return tables, slots
+
+
+def bench_prefill_step(llm: Any, num_prompts: int, prompt_len: int, repeats: int) -> dict[str, Any]:
+    """One prefill step of `num_prompts` prompts of `prompt_len` tokens against its own matmuls (medians of
+    `repeats` alternating timings), on a runner of its own that shares the LLM's model. Each run writes the same
+    slots, so every run is the same step."""
+    from ..services.executor.runner import ModelRunner
+    from ..services.executor.step_types import GREEDY, SequenceInput, StepInput
+
+    served = llm.engine.executor.runner
+    tables, slots = _tables(num_prompts, prompt_len, served.block_size)
+    runner = ModelRunner(served.model, served.config, served.backend, served.block_size,
+                         num_prompts * len(tables[0]), 0, served.max_model_len, kv_dtype=served.kv_dtype)
+    prompts = _prompts(llm.tokenizer, num_prompts)
+    step = StepInput([SequenceInput(i, (prompts[i] * prompt_len)[:prompt_len], 0, tables[i], slots(i, 0, prompt_len),
+                                    GREEDY) for i in range(num_prompts)])
+    tokens = num_prompts * prompt_len
+    matmuls = _step_matmuls(served.model, tokens, logit_rows=num_prompts)
+    runner.execute(step)  # warm-up
+    matmuls()
+    step_s, matmul_s = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.execute(step)
+        step_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        matmuls()
+        matmul_s.append(time.perf_counter() - start)
+    return {f"prefill_step_ms_{tokens}": round(1000 * statistics.median(step_s), 2),
+            f"prefill_matmul_ms_{tokens}": round(1000 * statistics.median(matmul_s), 2),
+            f"prefill_tok_s_{tokens}": round(tokens / statistics.median(step_s), 1),
+            f"prefill_step_over_matmul_{tokens}": round(statistics.median(
+                step / matmul for step, matmul in zip(step_s, matmul_s, strict=True)), 3)}
 
 
 def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, breakdown: bool = False,
@@ -180,13 +240,8 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, br
     prompts = _prompts(llm.tokenizer, num_seqs)
 
     def prepared(kv_dtype: torch.dtype, context: int) -> tuple[ModelRunner, StepInput]:
-        blocks_per_seq = -(-(context + 1) // block_size)
-        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
-
-        def slots(seq: int, start: int, count: int) -> list[int]:
-            return [tables[seq][p // block_size] * block_size + p % block_size for p in range(start, start + count)]
-
-        runner = ModelRunner(served.model, served.config, served.backend, block_size, num_seqs * blocks_per_seq, 0,
+        tables, slots = _tables(num_seqs, context + 1, block_size)
+        runner = ModelRunner(served.model, served.config, served.backend, block_size, num_seqs * len(tables[0]), 0,
                              served.max_model_len, kv_dtype=kv_dtype)
         last_tokens = []
         for first in range(0, num_seqs, 8):  # prefill: each prompt repeated up to the context, 8 sequences a step
@@ -365,15 +420,15 @@ def _breakdown(seconds: collections.defaultdict[str, float]) -> dict[str, float]
     return parts
 
 
-def _step_matmuls(model: Any, num_tokens: int) -> Any:
-    """The model's linear layers (each decoder layer's, then the LM head) on inputs of a step's shapes, through
-    the model's own matmul (the kernel backend's: on the CPU, oneDNN's with packed weights)."""
+def _step_matmuls(model: Any, num_tokens: int, logit_rows: int | None = None) -> Any:
+    """The model's linear layers (each decoder layer's, then the LM head on `logit_rows` rows, by default every
+    token's) on inputs of a step's shapes, through the model's own matmul (the kernel backend's)."""
     linears = [lin for layer in model.layers for lin in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     norm = model.norm.weight  # never released: the linear weights and a tied head's table may be (meta) on the cpu
     dtype, device = norm.dtype, norm.device
     inputs = {lin.in_features: torch.randn(num_tokens, lin.in_features, dtype=dtype, device=device) for lin in linears}
-    hidden = torch.randn(num_tokens, norm.shape[0], dtype=dtype, device=device)
+    hidden = torch.randn(num_tokens if logit_rows is None else logit_rows, norm.shape[0], dtype=dtype, device=device)
 
     @torch.inference_mode()
     def run() -> None:

@@ -60,7 +60,7 @@ def test_bench_blocks_preempts_at_most_once_in_ten_requests_at_full_utilization(
 def test_bench_executor_json_smoke() -> None:
     """The executor benchmark runs both sides and reports every key (its numbers are not asserted: timing)."""
     cmd = [sys.executable, "-m", "pagedserve", "bench", "executor", "--json", "--batches", "1,2", "--new-tokens", "3",
-           "--repeats", "1", "--decode-seqs", "8", "--decode-context", "20", "--decode-bound"]
+           "--repeats", "1", "--decode-seqs", "8", "--decode-context", "20", "--decode-bound", "--prefill-prompts", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     for batch in (1, 2):
@@ -77,6 +77,9 @@ def test_bench_executor_json_smoke() -> None:
     assert result["decode_step_over_matmul_8"] > 0
     # --decode-bound: the step at context 1, and the bound (its keys computed in tests/engine/test_offline.py)
     assert result["decode_step_ms_8_context1"] > 0 and result["decode_step_bound_over_matmul_8"] > 0
+    # --prefill-prompts 2: a step of two 128-token prompts, its rate the step's own
+    assert result["prefill_matmul_ms_256"] > 0 and result["prefill_step_over_matmul_256"] > 0
+    assert result["prefill_tok_s_256"] == pytest.approx(256 / (result["prefill_step_ms_256"] / 1e3), rel=1e-3)
 
 
 def test_bench_serve_json_smoke(tiny_chat_model_dir: Path, tmp_path: Path) -> None:
