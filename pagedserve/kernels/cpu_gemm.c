@@ -159,6 +159,7 @@ void gemm_f32(const float *x, int64_t x_stride, int64_t rows, int64_t k, const f
 #undef TILE
                 }
             }
+        if (paired == panels) return;
     }
 #endif
     int64_t tiles = (rows + MR - 1) / MR;
