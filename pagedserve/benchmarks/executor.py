@@ -184,6 +184,26 @@ def _tables(num_seqs: int, tokens: int, block_size: int) -> tuple[list[list[int]
     return tables, slots
 
 
+def _time_alternately(steps: list[tuple[Any, Any]], matmuls: Callable[[], None],
+                      repeats: int) -> tuple[list[list[float]], list[list[float]]]:
+    """Each (runner, step) and the matmuls once to warm up, then `repeats` rounds of each step followed by the
+    matmuls: the seconds of every step's runs, and of the matmuls timed right after each."""
+    for runner, step in steps:
+        runner.execute(step)
+    matmuls()
+    step_s: list[list[float]] = [[] for _ in steps]
+    matmul_s: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for (runner, step), step_times, matmul_times in zip(steps, step_s, matmul_s, strict=True):
+            start = time.perf_counter()
+            runner.execute(step)
+            step_times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            matmuls()
+            matmul_times.append(time.perf_counter() - start)
+    return step_s, matmul_s
+
+
 def bench_prefill_step(llm: Any, num_prompts: int, prompt_len: int, repeats: int) -> dict[str, Any]:
     """One prefill step of `num_prompts` prompts of `prompt_len` tokens against its own matmuls (medians of
     `repeats` alternating timings), on a runner of its own that shares the LLM's model. Each run writes the same
@@ -200,16 +220,7 @@ def bench_prefill_step(llm: Any, num_prompts: int, prompt_len: int, repeats: int
                                     GREEDY) for i in range(num_prompts)])
     tokens = num_prompts * prompt_len
     matmuls = _step_matmuls(served.model, tokens, logit_rows=num_prompts)
-    runner.execute(step)  # warm-up
-    matmuls()
-    step_s, matmul_s = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runner.execute(step)
-        step_s.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        matmuls()
-        matmul_s.append(time.perf_counter() - start)
+    [step_s], [matmul_s] = _time_alternately([(runner, step)], matmuls, repeats)
     return {f"prefill_step_ms_{tokens}": round(1000 * statistics.median(step_s), 2),
             f"prefill_matmul_ms_{tokens}": round(1000 * statistics.median(matmul_s), 2),
             f"prefill_tok_s_{tokens}": round(tokens / statistics.median(step_s), 1),
@@ -260,20 +271,7 @@ def bench_decode_step(llm: Any, num_seqs: int, context: int, repeats: int, *, br
     if bound:
         suffixes.append("_context1")
         steps.append(prepared(served.kv_dtype, 1))
-    matmuls = _step_matmuls(served.model, num_seqs)
-    for runner, step in steps:  # warm-up
-        runner.execute(step)
-    matmuls()
-    step_s: list[list[float]] = [[] for _ in steps]
-    matmul_s: list[list[float]] = [[] for _ in steps]
-    for _ in range(repeats):
-        for (runner, step), step_times, matmul_times in zip(steps, step_s, matmul_s, strict=True):
-            start = time.perf_counter()
-            runner.execute(step)
-            step_times.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            matmuls()
-            matmul_times.append(time.perf_counter() - start)
+    step_s, matmul_s = _time_alternately(steps, _step_matmuls(served.model, num_seqs), repeats)
     result: dict[str, Any] = {
         "kernel_backend": served.backend.name,  # "cpu": the C kernels (kernels/cpu_native.py); "torch": torch's ops
         f"decode_context_{n}": context, "kv_cache_dtype": dtype_name(served.kv_dtype),
