@@ -11,7 +11,7 @@ new order each round (medians of `--rounds`). `max_abs_diff` compares the torch 
 kernel's, `bf16_diff_vs_widened` the kernel over bf16 with the kernel over that cache widened to fp32 (0:
 widening is exact), `bf16_max_abs_diff` the bf16 cache's output with the fp32 cache's (what rounding changes).
 
-`--ab-source FILE.c` builds another version of `kernels/paged_decode_attention_cpu.c` (an edited copy) the way the
+`--ab-source FILE.c` builds another version of `kernels/paged_attention_cpu.c` (an edited copy) the way the
 kernels are built and times it beside them, alternated in the same rounds: `ab_c_ms`, `ab_c_bf16_ms`, and
 `ab_over_c`, `ab_bf16_over_c_bf16` (the median of each round's ratio: load elsewhere hits both alike), with
 `ab_max_abs_diff` (its output against the kernel's). A change to the kernel is measured that way, not by two runs.
@@ -152,7 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=8, help="layers (caches) per round")
     parser.add_argument("--rounds", type=int, default=12, help="alternating rounds; medians are reported")
     parser.add_argument("--ab-source", type=Path,
-                        help="another version of kernels/paged_decode_attention_cpu.c, timed beside it (ab_* keys)")
+                        help="another version of kernels/paged_attention_cpu.c, timed beside it (ab_* keys)")
 
 
 def main(args: argparse.Namespace) -> None:

@@ -8,7 +8,7 @@ from ._triton import TRITON_AVAILABLE
 from .backend import KernelBackend, get_backend, triton_unavailable_reason
 from .block_copy import copy_blocks, copy_blocks_ref, swap_blocks
 from .cache_write import cache_write, cache_write_ref
-from .cpu_native import cpu_unavailable_reason, paged_decode_attention_cpu
+from .cpu_native import cpu_unavailable_reason, paged_decode_attention_cpu, paged_prefill_attention_cpu
 from .paged_decode_attention import (
     DecodeGather,
     choose_num_splits,
@@ -37,6 +37,7 @@ __all__ = [
     "paged_decode_attention_gathered",
     "paged_decode_attention_ref",
     "paged_prefill_attention",
+    "paged_prefill_attention_cpu",
     "paged_prefill_attention_ref",
     "swap_blocks",
     "triton_unavailable_reason",

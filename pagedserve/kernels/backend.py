@@ -1,7 +1,7 @@
 """The explicit choice between the Triton kernels and their torch references.
 
 The executor asks for one backend once (`get_backend("triton")` on CUDA; on the CPU `get_backend("cpu")`,
-the torch references with decode attention and the per-token layer ops in C, where a C compiler builds
+the torch references with attention and the per-token layer ops in C, where a C compiler builds
 them, else `get_backend("torch")`) and calls it for every layer. There is no silent fallback: asking for a
 backend where it cannot run raises at once, with the reason.
 """
@@ -19,7 +19,7 @@ from ._triton import TRITON_AVAILABLE
 from .block_copy import copy_blocks, copy_blocks_ref
 from .cache_write import cache_write, cache_write_ref
 from .cpu_layer_ops import add_rms_norm_cpu, cache_write_cpu, rms_norm_cpu, rotary_cpu, silu_and_mul_cpu
-from .cpu_native import cpu_unavailable_reason, paged_decode_attention_cpu
+from .cpu_native import cpu_unavailable_reason, paged_decode_attention_cpu, paged_prefill_attention_cpu
 from .layer_ops import add_rms_norm_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref
 from .linear_ops import PACKED_LINEAR_AVAILABLE, PackedWeight, linear_packed, linear_ref
 from .logits_ops import first_max_and_log_sum_cpu, first_max_and_log_sum_ref
@@ -130,10 +130,11 @@ TORCH_BACKEND = KernelBackend(
     copy_blocks=copy_blocks_ref,
 )
 
-# the torch references, but decode attention, the cache write and the per-token layer ops in C, and the
-# linear layers through oneDNN with packed weights (torch builds without oneDNN keep F.linear)
+# the torch references, but attention, the cache write and the per-token layer ops in C, and the linear layers
+# through cpu_gemm.c (fp32) or oneDNN (bf16) with packed weights (torch builds without oneDNN keep F.linear)
 CPU_BACKEND = dataclasses.replace(
-    TORCH_BACKEND, name="cpu", decode_attention=paged_decode_attention_cpu, cache_write=cache_write_cpu,
+    TORCH_BACKEND, name="cpu", decode_attention=paged_decode_attention_cpu,
+    prefill_attention=paged_prefill_attention_cpu, cache_write=cache_write_cpu,
     rms_norm=rms_norm_cpu, add_rms_norm=add_rms_norm_cpu, rotary=rotary_cpu, silu_and_mul=silu_and_mul_cpu,
     first_max_and_log_sum=first_max_and_log_sum_cpu, linear=linear_packed if PACKED_LINEAR_AVAILABLE else linear_ref,
 )

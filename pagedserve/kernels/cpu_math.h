@@ -1,4 +1,4 @@
-/* Arithmetic shared by the CPU kernels (paged_decode_attention_cpu.c, cpu_layer_ops.c, cpu_logits.c). */
+/* Arithmetic shared by the CPU kernels (paged_attention_cpu.c, cpu_layer_ops.c, cpu_logits.c). */
 #ifndef PAGEDSERVE_CPU_MATH_H
 #define PAGEDSERVE_CPU_MATH_H
 

@@ -1,5 +1,5 @@
-"""The CPU's kernels in C, built at first use and called through ctypes: decode attention
-(`paged_decode_attention_cpu.c`), a layer's per-token ops in fp32 and bf16 (`cpu_layer_ops.c`, wrapped in
+"""The CPU's kernels in C, built at first use and called through ctypes: decode and prefill attention
+(`paged_attention_cpu.c`), a layer's per-token ops in fp32 and bf16 (`cpu_layer_ops.c`, wrapped in
 cpu_layer_ops.py), the logits' normalizer (`cpu_logits.c`, wrapped in logits_ops.py) and the fp32 matmul over
 packed weights (`cpu_gemm.c`, wrapped in linear_ops.py). The bf16 kernels widen and
 round with integer shifts, so they run on any x86-64 (an AVX2 CPU too); the matmuls' bf16 path is linear_ops.py's.
@@ -40,7 +40,7 @@ import torch
 
 from ._common import CacheShape, check_block_tables, check_kv_cache
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_attention_cpu.c", "cpu_layer_ops.c",
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention_cpu.c", "cpu_layer_ops.c",
                                                                    "cpu_logits.c", "cpu_gemm.c"))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 # -fno-trapping-math: the kernels never read floating-point exception flags, and without it gcc vectorizes
@@ -59,6 +59,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {  # each function's ret
     "paged_decode_attention_f32": (
         ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32,
                        _I64]),
+    "paged_prefill_attention_f32": (
+        ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                       _F32, _I64]),
     "rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _I64]),
     "add_rms_norm_f32": (None, [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _I64]),
     "rotary_f32": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]),
@@ -285,6 +288,22 @@ def library_from(source: Path, directory: Path) -> ctypes.CDLL:
     return library
 
 
+def _check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor) -> tuple[CacheShape, int]:
+    """What both attention kernels read, checked: the caches, the block tables against the lengths, an fp32 query
+    whose rows hold their heads contiguous and fit the cache's heads. The caches' shape and `kv_bf16`."""
+    num_heads, head_dim = q.shape[1:]
+    cache, kv_bf16 = check_cpu_caches(k_cache, v_cache)
+    check_block_tables(block_tables, seq_lens, seq_lens.shape[0])
+    check_fp32_cpu(q=q)
+    if q.stride(2) != 1 or (num_heads > 1 and q.stride(1) != head_dim):
+        raise ValueError(f"each query row's heads must be contiguous, got strides {q.stride()}")
+    if cache.head_dim != head_dim or cache.num_kv_heads == 0 or num_heads % cache.num_kv_heads:
+        raise ValueError(f"{num_heads} query heads of {head_dim} do not fit a cache of {cache.num_kv_heads} x "
+                         f"{cache.head_dim}")
+    return cache, kv_bf16
+
+
 def paged_decode_attention_cpu(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32 or bf16; each row's heads contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32 or bf16, contiguous
@@ -304,20 +323,50 @@ def paged_decode_attention_cpu(
                                           library=library).bfloat16()
     library = library or native_library()
     num_seqs, num_heads, head_dim = q.shape
-    cache, kv_bf16 = check_cpu_caches(k_cache, v_cache)
-    check_block_tables(block_tables, seq_lens, num_seqs)
-    check_fp32_cpu(q=q)
-    if q.stride(2) != 1 or (num_heads > 1 and q.stride(1) != head_dim):
-        raise ValueError(f"each query row's heads must be contiguous, got strides {q.stride()}")
-    if cache.head_dim != head_dim or cache.num_kv_heads == 0 or num_heads % cache.num_kv_heads:
-        raise ValueError(f"{num_heads} query heads of {head_dim} do not fit a cache of {cache.num_kv_heads} x "
-                         f"{cache.head_dim}")
+    cache, kv_bf16 = _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     tables, lens = block_tables.contiguous(), seq_lens.contiguous()
     out = torch.empty(num_seqs, num_heads, head_dim)
     status = library.paged_decode_attention_f32(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kv_bf16, cache.num_blocks, cache.block_size,
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
         cache.num_kv_heads, head_dim, scale, torch.get_num_threads(),
+    )
+    check_status(status)
+    return out
+
+
+def paged_prefill_attention_cpu(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim] fp32 or bf16; each row's heads contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32 or bf16, contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] the same
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32: sequence i's queries are q[cu[i]:cu[i + 1]]
+    seq_lens: torch.Tensor,  # [num_seqs] int32: context length after the chunk
+    scale: float,
+    *,
+    max_query_len: int | None = None,  # unused: the kernel reads the chunks' lengths itself
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] q's dtype
+    """Causal prefill attention in fp32 over a paged cache of fp32 or bf16 on the CPU: a query row's result is the
+    same bits whichever chunk, batch or thread count computes it (paged_attention_cpu.c). Rows of q past
+    cu_seqlens_q[-1] are left unwritten. A bf16 query is widened and the result rounded back to bf16."""
+    if q.dtype == torch.bfloat16:
+        return paged_prefill_attention_cpu(q.float(), k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                           scale).bfloat16()
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    cache, kv_bf16 = _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (num_seqs + 1,) or cu_seqlens_q.device.type != "cpu":
+        raise ValueError(f"cu_seqlens_q must be [{num_seqs + 1}] int32 on the CPU, got {tuple(cu_seqlens_q.shape)} "
+                         f"{cu_seqlens_q.dtype}")
+    cu = cu_seqlens_q.contiguous()
+    if num_seqs and (int(cu[0]) != 0 or int(cu[-1]) > num_tokens):
+        raise ValueError(f"cu_seqlens_q must start at 0 and end within the {num_tokens} query rows")
+    tables, lens = block_tables.contiguous(), seq_lens.contiguous()
+    out = torch.empty(num_tokens, num_heads, head_dim)
+    status = native_library().paged_prefill_attention_f32(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kv_bf16, cache.num_blocks,
+        cache.block_size, tables.data_ptr(), tables.shape[1], cu.data_ptr(), lens.data_ptr(), out.data_ptr(), num_seqs,
+        num_heads, cache.num_kv_heads, head_dim, scale, torch.get_num_threads(),
     )
     check_status(status)
     return out

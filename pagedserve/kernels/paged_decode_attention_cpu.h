@@ -1,4 +1,4 @@
-/* Decode attention over a paged cache on the CPU (paged_decode_attention_cpu.c), as the layer ops call it
+/* Decode attention over a paged cache on the CPU (paged_attention_cpu.c), as the layer ops call it
  * (cpu_layer_ops.c). */
 #ifndef PAGEDSERVE_PAGED_DECODE_ATTENTION_CPU_H
 #define PAGEDSERVE_PAGED_DECODE_ATTENTION_CPU_H

@@ -26,7 +26,7 @@ def test_the_kernel_builds_here() -> None:
     assert cpu_unavailable_reason() is None
     backend = kernels.get_backend("cpu")
     assert backend.name == "cpu" and backend.decode_attention is paged_decode_attention_cpu
-    assert backend.prefill_attention is kernels.paged_prefill_attention_ref
+    assert backend.prefill_attention is kernels.paged_prefill_attention_cpu
     assert backend.linear is linear_packed  # torch's CPU wheels carry oneDNN
 
 

@@ -32,7 +32,7 @@ def test_bench_cpu_attention_reports_both_paths_per_shape_and_thread_count(tmp_p
 def test_another_build_of_the_kernel_is_timed_beside_it(tmp_path: Path) -> None:
     # the kernel's own source, edited to answer 2x: built as the kernels are, run on the same caches, each
     # round's time over the kernel's (--ab-source: how a change to the kernel is measured)
-    source = Path(cpu_attention.__file__).parents[1] / "kernels" / "paged_decode_attention_cpu.c"
+    source = Path(cpu_attention.__file__).parents[1] / "kernels" / "paged_attention_cpu.c"
     text = source.read_text()
     assert "store(out + g * h->head_dim + LANES * (c + i), acc[g][i] * inverse[g])" in text
     edited = tmp_path / "edited.c"

@@ -1,4 +1,6 @@
-/* Decode attention over a paged KV cache on the CPU: one query token per sequence, in fp32 over a cache of
+/* Attention over a paged KV cache on the CPU: decode first, then prefill (its own section at the end).
+ *
+ * Decode: one query token per sequence, in fp32 over a cache of
  * fp32 or of bf16 (`kv_bf16`: half the bytes to read; each key and value widened to fp32 as it is loaded, which
  * is exact, so the result is the fp32 kernel's over the widened cache, bit for bit).
  *
@@ -238,16 +240,20 @@ static inline __attribute__((always_inline)) void values_plain(const HeadPass *h
     for (int64_t d = 0; d < h->head_dim; d++) out[d] *= inverse;
 }
 
-/* p = exp(p - max p) in place; returns 1 / their sum */
+/* p = exp(p - max p) in place; returns 1 / their sum. The sum runs in vectors from p[0], then the tail: its order
+   depends on len only, never on p's address (where a vectorized reduction may peel for alignment), so a prefill
+   row's bits do not depend on where its scores lie. The maximum and each exp are exact whatever the order. */
 static inline float softmax_in_place(float *p, int64_t len) {
-    float top = p[0], sum = 0.f;
+    float top = p[0];
 #pragma omp simd reduction(max : top)
     for (int64_t t = 1; t < len; t++) top = p[t] > top ? p[t] : top;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; t++) {
-        p[t] = exp_nonpositive(p[t] - top);
-        sum += p[t];
-    }
+#pragma omp simd
+    for (int64_t t = 0; t < len; t++) p[t] = exp_nonpositive(p[t] - top);
+    vec sums = {0};
+    int64_t t = 0;
+    for (; t + LANES <= len; t += LANES) sums += load(p + t);
+    float sum = sum_lanes(sums);
+    for (; t < len; t++) sum += p[t];
     return 1.f / sum;
 }
 
@@ -375,4 +381,208 @@ int paged_decode_attention_f32(const float *q, int64_t q_seq_stride, const void 
     return paged_decode_attention_with_prologue_f32(q, q_seq_stride, k_cache, v_cache, kv_bf16, num_blocks,
                                                     block_size, block_tables, max_blocks, seq_lens, out, num_seqs,
                                                     num_heads, num_kv_heads, head_dim, scale, num_threads, NULL);
+}
+
+/* ---- prefill ------------------------------------------------------------------------------------------------
+ * Causal attention of prefill chunks over the paged cache (their own keys written to it first). Laid out for the
+ * arithmetic, unlike decode, whose time is the reading: each (sequence, KV head)'s keys are first copied
+ * transposed (kt[d][t]: a vector holds LANES positions' element d), so that a query row's scores for LANES keys
+ * are one chain of multiply-adds over d, its query element broadcast; then softmax over the row's own keys, and
+ * its values summed position by position in vectors of the head dim. A row's arithmetic depends only on its query
+ * and the keys and values up to its position: its bits are the same whichever chunk, batch, tile or thread
+ * computes it. Tasks: (sequence, KV head, PF_TOKENS tokens of its chunk) dealt dynamically (later rows see
+ * more keys); within a task, tiles of PF_ROWS rows, a row being one token's query head. */
+#define PF_TOKENS 16
+#define PF_ROWS 4   /* rows a tile: with two key vectors at a time, 8 independent chains of multiply-adds */
+#define PF_WIDTH (LANES == 16 ? 4 : 2) /* value vectors a row per pass: PF_ROWS x PF_WIDTH sums in registers */
+
+typedef struct {
+    const float *q; /* the row's query, already scaled */
+    float *out;
+    int64_t len;    /* keys it attends to: its position + 1 */
+} PrefillRow;
+
+/* scores[r][t] for t < the tile's longest len (rounded up to 2 * LANES: kt is padded with zeros that far) */
+static inline __attribute__((always_inline)) void prefill_scores(const PrefillRow *rows, int n, const float *kt,
+                                                                 int64_t stride, int64_t head_dim, float *scores,
+                                                                 int64_t scores_stride, int64_t len_max) {
+    for (int64_t t = 0; t < len_max; t += 2 * LANES) {
+        vec a0[PF_ROWS], a1[PF_ROWS];
+        for (int r = 0; r < PF_ROWS; r++) a0[r] = a1[r] = (vec){0};
+        for (int64_t d = 0; d < head_dim; d++) {
+            const vec k0 = load(kt + d * stride + t), k1 = load(kt + d * stride + t + LANES);
+            for (int r = 0; r < PF_ROWS; r++) {
+                if (r >= n) break;
+                const float x = rows[r].q[d];
+                a0[r] += x * k0;
+                a1[r] += x * k1;
+            }
+        }
+        for (int r = 0; r < n; r++) {
+            store(scores + r * scores_stride + t, a0[r]);
+            store(scores + r * scores_stride + t + LANES, a1[r]);
+        }
+    }
+}
+
+/* out_r = sum_t p_r[t] v[t] * inverse_r, t < len_r, in vectors of the head dim (a multiple of LANES) */
+static inline __attribute__((always_inline)) void prefill_values(const PrefillRow *rows, int n, const float *scores,
+                                                                 int64_t scores_stride, const float *inverse,
+                                                                 const void *v_cache, const int64_t *vrows,
+                                                                 int64_t head, int64_t head_dim, const int bf16) {
+    int64_t len_min = rows[0].len;
+    for (int r = 1; r < n; r++) len_min = rows[r].len < len_min ? rows[r].len : len_min;
+    for (int64_t c = 0; c < head_dim; c += PF_WIDTH * LANES) {
+        const int w = (int)((head_dim - c) / LANES < PF_WIDTH ? (head_dim - c) / LANES : PF_WIDTH);
+        vec acc[PF_ROWS][PF_WIDTH];
+        for (int r = 0; r < PF_ROWS; r++)
+            for (int i = 0; i < PF_WIDTH; i++) acc[r][i] = (vec){0};
+        for (int64_t t = 0; t < len_min; t++) {
+            const int64_t v = vrows[t] + head + c;
+            for (int i = 0; i < PF_WIDTH && i < w; i++) {
+                const vec value = load_kv(v_cache, v + LANES * i, bf16);
+                for (int r = 0; r < PF_ROWS && r < n; r++) acc[r][i] += scores[r * scores_stride + t] * value;
+            }
+        }
+        for (int r = 0; r < PF_ROWS && r < n; r++) /* each row's own last keys */
+            for (int64_t t = len_min; t < rows[r].len; t++) {
+                const int64_t v = vrows[t] + head + c;
+                for (int i = 0; i < PF_WIDTH && i < w; i++)
+                    acc[r][i] += scores[r * scores_stride + t] * load_kv(v_cache, v + LANES * i, bf16);
+            }
+        for (int r = 0; r < PF_ROWS && r < n; r++)
+            for (int i = 0; i < PF_WIDTH && i < w; i++) store(rows[r].out + c + LANES * i, acc[r][i] * inverse[r]);
+    }
+}
+
+/* the same, one row and one element at a time: a head dim that is not a multiple of LANES */
+static inline void prefill_values_plain(const PrefillRow *row, const float *p, float inverse, const void *v_cache,
+                                        const int64_t *vrows, int64_t head, int64_t head_dim, const int bf16) {
+    for (int64_t d = 0; d < head_dim; d++) {
+        float sum = 0.f;
+        for (int64_t t = 0; t < row->len; t++) sum += p[t] * kv_at(v_cache, vrows[t] + head + d, bf16);
+        row->out[d] = sum * inverse;
+    }
+}
+
+static void prefill_tile(const PrefillRow *rows, int n, const float *kt, int64_t stride, const void *v_cache,
+                         const int64_t *vrows, int64_t head, int64_t head_dim, float *scores, const int bf16) {
+    int64_t len_max = 0;
+    for (int r = 0; r < n; r++) len_max = rows[r].len > len_max ? rows[r].len : len_max;
+    prefill_scores(rows, n, kt, stride, head_dim, scores, stride, len_max);
+    float inverse[PF_ROWS];
+    for (int r = 0; r < n; r++) inverse[r] = softmax_in_place(scores + r * stride, rows[r].len);
+    if (head_dim % LANES == 0)
+        prefill_values(rows, n, scores, stride, inverse, v_cache, vrows, head, head_dim, bf16);
+    else
+        for (int r = 0; r < n; r++)
+            prefill_values_plain(rows + r, scores + r * stride, inverse[r], v_cache, vrows, head, head_dim, bf16);
+}
+
+int paged_prefill_attention_f32(
+    const float *q, int64_t q_token_stride,  /* [num_tokens, num_heads, head_dim], each row's heads contiguous */
+    const void *k_cache, const void *v_cache, int64_t kv_bf16, int64_t num_blocks, int64_t block_size,
+    const int32_t *block_tables, int64_t max_blocks, /* [num_seqs, max_blocks] contiguous */
+    const int32_t *cu_seqlens_q,                     /* [num_seqs + 1]: sequence s's rows [cu[s], cu[s + 1]) */
+    const int32_t *seq_lens,                         /* [num_seqs]: context after its chunk */
+    float *out,                                      /* [num_tokens, num_heads, head_dim] contiguous */
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t num_threads)
+{
+    const int64_t group = num_heads / num_kv_heads, row_len = num_kv_heads * head_dim;
+    int64_t num_tasks = 0, total_len = 0, kt_floats = 0, widest = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s], len = seq_lens[s];
+        if (q_len < 0 || len < q_len || len > max_blocks * block_size) return BAD_LENGTH;
+        const int64_t padded = (len + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
+        num_tasks += (q_len + PF_TOKENS - 1) / PF_TOKENS * num_kv_heads;
+        total_len += len;
+        kt_floats += padded * head_dim * num_kv_heads;
+        widest = padded > widest ? padded : widest;
+    }
+    if (num_tasks == 0) return OK;
+    /* each sequence's transposed keys per KV head (kt), and each position's row in the cache (vrows) */
+    float *kt = calloc((size_t)kt_floats, sizeof(float));
+    int64_t *vrows = malloc(sizeof(int64_t) * (size_t)total_len), *kt_at = malloc(sizeof(int64_t) * (size_t)num_seqs);
+    int64_t *rows_at = malloc(sizeof(int64_t) * (size_t)num_seqs);
+    if (!kt || !vrows || !kt_at || !rows_at) {
+        free(kt), free(vrows), free(kt_at), free(rows_at);
+        return NO_MEMORY;
+    }
+    for (int64_t s = 0, k = 0, v = 0; s < num_seqs; s++) {
+        kt_at[s] = k, rows_at[s] = v;
+        k += (seq_lens[s] + 2 * LANES - 1) / (2 * LANES) * (2 * LANES) * head_dim * num_kv_heads;
+        v += seq_lens[s];
+    }
+    int status = OK;
+    const int team = (int)(num_threads < num_tasks ? num_threads : num_tasks);
+#pragma omp parallel num_threads(team)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t s = 0; s < num_seqs; s++) {
+            const int64_t len = seq_lens[s], padded = (len + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
+            if (cu_seqlens_q[s + 1] == cu_seqlens_q[s]) continue;
+            const int32_t *table = block_tables + s * max_blocks;
+            int64_t *rows = vrows + rows_at[s];
+            int bad = 0;
+            for (int64_t t = 0; t < len; t++) {
+                const int64_t block = table[t / block_size];
+                bad |= block < 0 || block >= num_blocks;
+                rows[t] = bad ? 0 : (block * block_size + t % block_size) * row_len;
+            }
+            if (bad) {
+#pragma omp atomic write
+                status = BAD_BLOCK;
+                continue;
+            }
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                float *kth = kt + kt_at[s] + h * head_dim * padded;
+                for (int64_t t = 0; t < len; t++)
+                    for (int64_t d = 0; d < head_dim; d++)
+                        kth[d * padded + t] = kv_at(k_cache, rows[t] + h * head_dim + d, (int)kv_bf16);
+            }
+        }
+        /* (the loop's barrier: every sequence's keys are in place) */
+        float *scores = malloc(sizeof(float) * (size_t)(PF_ROWS * widest));
+        float *scaled = malloc(sizeof(float) * (size_t)(PF_TOKENS * group * head_dim));
+        if (!scores || !scaled) {
+#pragma omp atomic write
+            status = NO_MEMORY;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tasks; task++) {
+            if (!scores || !scaled) continue; /* (a sequence with a bad block reads row 0 and the call fails) */
+            int64_t s = 0, first = task; /* the task's sequence, then its KV head and block of tokens */
+            for (;; s++) {
+                const int64_t n = (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + PF_TOKENS - 1) / PF_TOKENS * num_kv_heads;
+                if (first < n) break;
+                first -= n;
+            }
+            const int64_t h = first % num_kv_heads, token0 = first / num_kv_heads * PF_TOKENS;
+            const int64_t q_start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - q_start;
+            const int64_t tokens = q_len - token0 < PF_TOKENS ? q_len - token0 : PF_TOKENS;
+            const int64_t context = seq_lens[s] - q_len, len = seq_lens[s];
+            const int64_t padded = (len + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
+            const float *kth = kt + kt_at[s] + h * head_dim * padded;
+            PrefillRow tile[PF_ROWS];
+            int n = 0;
+            for (int64_t i = 0; i < tokens; i++)
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t token = q_start + token0 + i, head = h * group + g;
+                    float *qs = scaled + (i * group + g) * head_dim;
+                    for (int64_t d = 0; d < head_dim; d++) qs[d] = q[token * q_token_stride + head * head_dim + d] * scale;
+                    tile[n++] = (PrefillRow){qs, out + (token * num_heads + head) * head_dim, context + token0 + i + 1};
+                    if (n == PF_ROWS) {
+                        prefill_tile(tile, n, kth, padded, v_cache, vrows + rows_at[s], h * head_dim, head_dim, scores,
+                                     (int)kv_bf16);
+                        n = 0;
+                    }
+                }
+            if (n) prefill_tile(tile, n, kth, padded, v_cache, vrows + rows_at[s], h * head_dim, head_dim, scores,
+                                (int)kv_bf16);
+        }
+        free(scores);
+        free(scaled);
+    }
+    free(kt), free(vrows), free(kt_at), free(rows_at);
+    return status;
 }
