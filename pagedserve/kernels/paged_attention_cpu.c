@@ -1,8 +1,7 @@
-/* Attention over a paged KV cache on the CPU: decode first, then prefill (its own section at the end).
- *
- * Decode: one query token per sequence, in fp32 over a cache of
- * fp32 or of bf16 (`kv_bf16`: half the bytes to read; each key and value widened to fp32 as it is loaded, which
- * is exact, so the result is the fp32 kernel's over the widened cache, bit for bit).
+/* Attention over a paged KV cache on the CPU, in fp32 over a cache of fp32 or of bf16 (`kv_bf16`: half the bytes to
+ * read; each key and value widened to fp32 as it is loaded, which is exact, so the result is the fp32 kernel's over
+ * the widened cache, bit for bit). Decode first (one query token per sequence), then prefill (its own section at
+ * the end).
  *
  * Built at first use on the machine that runs it (-O3 -march=native -fopenmp, kernels/cpu_native.py) and
  * called through ctypes with raw pointers. One OpenMP task per sequence (per sequence and KV head when
