@@ -478,6 +478,19 @@ static void prefill_tile(const PrefillRow *rows, int n, const float *kt, int64_t
             prefill_values_plain(rows + r, scores + r * stride, inverse[r], v_cache, vrows, head, head_dim, bf16);
 }
 
+/* keys a row of kt holds: len rounded up to the two key vectors prefill_scores reads at a time */
+static inline int64_t padded_len(int64_t len) { return (len + 2 * LANES - 1) / (2 * LANES) * (2 * LANES); }
+
+/* the sequence whose tasks include task: the last s with task_at[s] <= task (task_at ascending, task_at[0] = 0) */
+static inline int64_t task_sequence(const int64_t *task_at, int64_t num_seqs, int64_t task) {
+    int64_t lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (task_at[mid] <= task) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
 int paged_prefill_attention_f32(
     const float *q, int64_t q_token_stride,  /* [num_tokens, num_heads, head_dim], each row's heads contiguous */
     const void *k_cache, const void *v_cache, int64_t kv_bf16, int64_t num_blocks, int64_t block_size,
@@ -488,29 +501,34 @@ int paged_prefill_attention_f32(
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t num_threads)
 {
     const int64_t group = num_heads / num_kv_heads, row_len = num_kv_heads * head_dim;
+    /* per sequence: where its transposed keys (kt_at), its positions' cache rows (rows_at) and its tasks (task_at)
+     * start */
+    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)(3 * num_seqs + 1));
+    if (!offsets) return NO_MEMORY;
+    int64_t *kt_at = offsets, *rows_at = offsets + num_seqs, *task_at = offsets + 2 * num_seqs;
     int64_t num_tasks = 0, total_len = 0, kt_floats = 0, widest = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s], len = seq_lens[s];
-        if (q_len < 0 || len < q_len || len > max_blocks * block_size) return BAD_LENGTH;
-        const int64_t padded = (len + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
+        if (q_len < 0 || len < q_len || len > max_blocks * block_size) {
+            free(offsets);
+            return BAD_LENGTH;
+        }
+        kt_at[s] = kt_floats, rows_at[s] = total_len, task_at[s] = num_tasks;
         num_tasks += (q_len + PF_TOKENS - 1) / PF_TOKENS * num_kv_heads;
         total_len += len;
-        kt_floats += padded * head_dim * num_kv_heads;
-        widest = padded > widest ? padded : widest;
+        kt_floats += padded_len(len) * head_dim * num_kv_heads;
+        widest = padded_len(len) > widest ? padded_len(len) : widest;
     }
-    if (num_tasks == 0) return OK;
-    /* each sequence's transposed keys per KV head (kt), and each position's row in the cache (vrows) */
-    float *kt = calloc((size_t)kt_floats, sizeof(float));
-    int64_t *vrows = malloc(sizeof(int64_t) * (size_t)total_len), *kt_at = malloc(sizeof(int64_t) * (size_t)num_seqs);
-    int64_t *rows_at = malloc(sizeof(int64_t) * (size_t)num_seqs);
-    if (!kt || !vrows || !kt_at || !rows_at) {
-        free(kt), free(vrows), free(kt_at), free(rows_at);
+    if (num_tasks == 0) {
+        free(offsets);
+        return OK;
+    }
+    /* each sequence's transposed keys per KV head (kt; only its padding zeroed), each position's row in the cache */
+    float *kt = malloc(sizeof(float) * (size_t)kt_floats);
+    int64_t *vrows = malloc(sizeof(int64_t) * (size_t)total_len);
+    if (!kt || !vrows) {
+        free(kt), free(vrows), free(offsets);
         return NO_MEMORY;
-    }
-    for (int64_t s = 0, k = 0, v = 0; s < num_seqs; s++) {
-        kt_at[s] = k, rows_at[s] = v;
-        k += (seq_lens[s] + 2 * LANES - 1) / (2 * LANES) * (2 * LANES) * head_dim * num_kv_heads;
-        v += seq_lens[s];
     }
     int status = OK;
     const int team = (int)(num_threads < num_tasks ? num_threads : num_tasks);
@@ -518,7 +536,7 @@ int paged_prefill_attention_f32(
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t s = 0; s < num_seqs; s++) {
-            const int64_t len = seq_lens[s], padded = (len + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
+            const int64_t len = seq_lens[s], padded = padded_len(len);
             if (cu_seqlens_q[s + 1] == cu_seqlens_q[s]) continue;
             const int32_t *table = block_tables + s * max_blocks;
             int64_t *rows = vrows + rows_at[s];
@@ -528,16 +546,17 @@ int paged_prefill_attention_f32(
                 bad |= block < 0 || block >= num_blocks;
                 rows[t] = bad ? 0 : (block * block_size + t % block_size) * row_len;
             }
-            if (bad) {
+            if (bad) { /* its rows point at row 0 from the bad block on: in the cache, and the call fails */
 #pragma omp atomic write
                 status = BAD_BLOCK;
-                continue;
             }
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 float *kth = kt + kt_at[s] + h * head_dim * padded;
                 for (int64_t t = 0; t < len; t++)
                     for (int64_t d = 0; d < head_dim; d++)
                         kth[d * padded + t] = kv_at(k_cache, rows[t] + h * head_dim + d, (int)kv_bf16);
+                for (int64_t d = 0; d < head_dim; d++)
+                    for (int64_t t = len; t < padded; t++) kth[d * padded + t] = 0.f;
             }
         }
         /* (the loop's barrier: every sequence's keys are in place) */
@@ -550,17 +569,12 @@ int paged_prefill_attention_f32(
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_tasks; task++) {
             if (!scores || !scaled) continue; /* (a sequence with a bad block reads row 0 and the call fails) */
-            int64_t s = 0, first = task; /* the task's sequence, then its KV head and block of tokens */
-            for (;; s++) {
-                const int64_t n = (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + PF_TOKENS - 1) / PF_TOKENS * num_kv_heads;
-                if (first < n) break;
-                first -= n;
-            }
+            /* the task's sequence, then its KV head and block of tokens */
+            const int64_t s = task_sequence(task_at, num_seqs, task), first = task - task_at[s];
             const int64_t h = first % num_kv_heads, token0 = first / num_kv_heads * PF_TOKENS;
             const int64_t q_start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - q_start;
             const int64_t tokens = q_len - token0 < PF_TOKENS ? q_len - token0 : PF_TOKENS;
-            const int64_t context = seq_lens[s] - q_len, len = seq_lens[s];
-            const int64_t padded = (len + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
+            const int64_t context = seq_lens[s] - q_len, padded = padded_len(seq_lens[s]);
             const float *kth = kt + kt_at[s] + h * head_dim * padded;
             PrefillRow tile[PF_ROWS];
             int n = 0;
@@ -582,6 +596,6 @@ int paged_prefill_attention_f32(
         free(scores);
         free(scaled);
     }
-    free(kt), free(vrows), free(kt_at), free(rows_at);
+    free(kt), free(vrows), free(offsets);
     return status;
 }

@@ -85,13 +85,13 @@ def test_a_bf16_cache_gives_the_fp32_result_over_its_values_widened() -> None:
 
 def test_rows_past_the_chunks_are_left_unwritten_and_empty_chunks_are_skipped() -> None:
     gen = torch.Generator().manual_seed(3)
-    kv = make_paged_kv([20, 10], 1, 16, 8, torch.float32, generator=gen)
-    q = strided_queries(12, 2, 16, torch.float32, gen)
-    out = paged_prefill_attention_cpu(q, kv.k_cache, kv.v_cache, kv.block_tables, cu_seqlens([0, 10]), kv.seq_lens,
-                                      0.5)
-    expected = dense_attention_fp64(q[:10], kv.keys[1], kv.values[1], 0.5)
-    assert_close(out[:10], expected, torch.float32)
-    assert out.shape == q.shape  # rows 10 and 11 (padding) are the caller's to ignore
+    kv = make_paged_kv([20, 10, 15, 8, 12], 1, 16, 8, torch.float32, generator=gen)
+    q = strided_queries(20, 2, 16, torch.float32, gen)  # empty chunks first, between and last
+    out = paged_prefill_attention_cpu(q, kv.k_cache, kv.v_cache, kv.block_tables, cu_seqlens([0, 10, 0, 8, 0]),
+                                      kv.seq_lens, 0.5)
+    assert_close(out[:10], dense_attention_fp64(q[:10], kv.keys[1], kv.values[1], 0.5), torch.float32)
+    assert_close(out[10:18], dense_attention_fp64(q[10:18], kv.keys[3], kv.values[3], 0.5), torch.float32)
+    assert out.shape == q.shape  # rows 18 and 19 (padding) are the caller's to ignore
 
 
 def test_a_block_outside_the_cache_is_refused() -> None:
