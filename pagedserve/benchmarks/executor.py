@@ -30,7 +30,8 @@ none of them overlapped with the GEMMs (which keep every core busy); `decode_ste
 that bound, measured in the same run (target <= 1.05).
 
 `--prefill-prompts N` times a prefill step of N prompts of 128 tokens (4: the 512 tokens of `serve`'s default
-budget) the same way, against its linear layers at N x 128 rows (the LM head at N): `prefill_step_ms_512`,
+budget) the same way, against its linear layers at N x 128 rows (the LM head at N; the gate/up layer with its
+SiLU * up where the backend fuses them, as the step runs it): `prefill_step_ms_512`,
 `prefill_matmul_ms_512`, `prefill_tok_s_512` (prompt tokens a second) and `prefill_step_over_matmul_512`.
 """
 
@@ -376,10 +377,11 @@ def _section_timers(model: Any) -> Iterator[collections.defaultdict[str, float]]
         names = {"rms_norm_f32": NORMS, "add_rms_norm_f32": NORMS, "decode_attention_layer_f32": "attention",
                  "silu_and_mul_f32": "SiLU * up"}
         timed_library = types.SimpleNamespace(**{f: timed(name, getattr(library, f)) for f, name in names.items()})
-        matmul = cpu_decode._matmul
-        functions += [(cpu_decode, "native_library", ""), (cpu_decode, "_matmul", "")]
+        matmul, gated_matmul = cpu_decode._matmul, cpu_decode._gated_matmul
+        functions += [(cpu_decode, name, "") for name in ("native_library", "_matmul", "_gated_matmul")]
         replacements = {"native_library": lambda: timed_library,
-                        "_matmul": lambda b: timed("matmul: linear layers", matmul(b))}
+                        "_matmul": lambda b: timed("matmul: linear layers", matmul(b)),
+                        "_gated_matmul": lambda b: timed("matmul: linear layers", gated_matmul(b))}
     else:
         for layer in model.layers:
             modules += [(lin, "forward", "matmul: linear layers") for lin in (
@@ -387,8 +389,10 @@ def _section_timers(model: Any) -> Iterator[collections.defaultdict[str, float]]
             modules += [(norm, "forward", NORMS) for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
         functions.append((llama_module, "paged_attention", "attention"))
         replacements = {}
-        model.use_backend(dataclasses.replace(backend, rotary=timed("rotary", backend.rotary),
-                                              silu_and_mul=timed("SiLU * up", backend.silu_and_mul)))
+        fused = backend.linear_silu_and_mul
+        model.use_backend(dataclasses.replace(
+            backend, rotary=timed("rotary", backend.rotary), silu_and_mul=timed("SiLU * up", backend.silu_and_mul),
+            linear_silu_and_mul=fused and timed("matmul: linear layers", fused)))
     for owner, attr, name in modules:
         setattr(owner, attr, timed(name, getattr(owner, attr)))  # an instance attribute over the class's method
     originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in functions]
@@ -420,9 +424,11 @@ def _breakdown(seconds: collections.defaultdict[str, float]) -> dict[str, float]
 
 def _step_matmuls(model: Any, num_tokens: int, logit_rows: int | None = None) -> Any:
     """The model's linear layers (each decoder layer's, then the LM head on `logit_rows` rows, by default every
-    token's) on inputs of a step's shapes, through the model's own matmul (the kernel backend's)."""
+    token's) on inputs of a step's shapes, through the model's own matmul (the kernel backend's; the gate/up layer
+    with its SiLU * up where the backend fuses them, as the step runs it)."""
     linears = [lin for layer in model.layers for lin in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    fused = model.backend.linear_silu_and_mul
     norm = model.norm.weight  # never released: the linear weights and a tied head's table may be (meta) on the cpu
     dtype, device = norm.dtype, norm.device
     inputs = {lin.in_features: torch.randn(num_tokens, lin.in_features, dtype=dtype, device=device) for lin in linears}
@@ -431,7 +437,10 @@ def _step_matmuls(model: Any, num_tokens: int, logit_rows: int | None = None) ->
     @torch.inference_mode()
     def run() -> None:
         for lin in linears:
-            lin(inputs[lin.in_features])
+            if fused is not None and lin.packed.gate_up:
+                fused(inputs[lin.in_features], lin.weight, lin.packed)
+            else:
+                lin(inputs[lin.in_features])
         model.compute_logits(hidden)
         if device.type == "cuda":
             torch.cuda.synchronize()  # timed as the step is: until the device is done

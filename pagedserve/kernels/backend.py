@@ -21,7 +21,13 @@ from .cache_write import cache_write, cache_write_ref
 from .cpu_layer_ops import add_rms_norm_cpu, cache_write_cpu, rms_norm_cpu, rotary_cpu, silu_and_mul_cpu
 from .cpu_native import cpu_unavailable_reason, paged_decode_attention_cpu, paged_prefill_attention_cpu
 from .layer_ops import add_rms_norm_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref
-from .linear_ops import PACKED_LINEAR_AVAILABLE, PackedWeight, linear_packed, linear_ref
+from .linear_ops import (
+    PACKED_LINEAR_AVAILABLE,
+    PackedWeight,
+    linear_packed,
+    linear_ref,
+    linear_silu_and_mul_packed,
+)
 from .logits_ops import first_max_and_log_sum_cpu, first_max_and_log_sum_ref
 from .paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from .paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
@@ -94,6 +100,10 @@ class LinearFn(Protocol):  # x [..., in] @ weight [out, in].T + bias; `packed` i
                  out: torch.Tensor | None = None) -> torch.Tensor: ...  # the result: in `out` where it can be
 
 
+class LinearSiluAndMulFn(Protocol):  # silu(x @ gate.T) * (x @ up.T), the weight [2 x intermediate, in] gate first
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -> torch.Tensor: ...
+
+
 class FirstMaxAndLogSumFn(Protocol):  # logits [rows, vocab] -> first argmax, max, log(sum(exp(x - max)))
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
@@ -113,6 +123,8 @@ class KernelBackend:
     silu_and_mul: SiluAndMulFn = silu_and_mul_ref
     first_max_and_log_sum: FirstMaxAndLogSumFn = first_max_and_log_sum_ref  # sampling's, on the logits
     linear: LinearFn = linear_ref  # every linear layer's and the LM head's
+    # an MLP's gate/up layer and its activation in one op; None: `linear`, then `silu_and_mul`
+    linear_silu_and_mul: LinearSiluAndMulFn | None = None
 
 
 TRITON_BACKEND = KernelBackend(
@@ -131,12 +143,14 @@ TORCH_BACKEND = KernelBackend(
 )
 
 # the torch references, but attention, the cache write and the per-token layer ops in C, and the linear layers
-# through cpu_gemm.c (fp32) or oneDNN (bf16) with packed weights (torch builds without oneDNN keep F.linear)
+# through cpu_gemm.c (fp32, the gate/up layer with SiLU * up fused) or oneDNN (bf16) with packed weights (torch
+# builds without oneDNN keep F.linear)
 CPU_BACKEND = dataclasses.replace(
     TORCH_BACKEND, name="cpu", decode_attention=paged_decode_attention_cpu,
     prefill_attention=paged_prefill_attention_cpu, cache_write=cache_write_cpu,
     rms_norm=rms_norm_cpu, add_rms_norm=add_rms_norm_cpu, rotary=rotary_cpu, silu_and_mul=silu_and_mul_cpu,
     first_max_and_log_sum=first_max_and_log_sum_cpu, linear=linear_packed if PACKED_LINEAR_AVAILABLE else linear_ref,
+    linear_silu_and_mul=linear_silu_and_mul_packed if PACKED_LINEAR_AVAILABLE else None,
 )
 
 

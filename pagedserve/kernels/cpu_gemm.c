@@ -8,10 +8,17 @@
  * them at ~55 % of the machine's streaming rate, these at ~80 %: each thread streams its panels with a software
  * prefetch a few KiB ahead, and a tile of up to MR rows is multiplied against a panel with MR x NB sums in registers
  * (docs/kernels.md). From PAIR_ROWS rows (a prefill) the matmul is bound by the arithmetic instead, and with AVX-512 a
- * tile of MR2 rows takes two panels at once: half the broadcasts of x a multiply-add, ~15 % less time at 512 rows. */
+ * tile of MR2 rows takes two panels at once: half the broadcasts of x a multiply-add, ~15 % less time at 512 rows.
+ *
+ * gemm_silu_mul_f32 is an MLP's gate/up matmul with SiLU(gate) * up as its epilogue: its weight is packed with each
+ * panel's first HALF columns gate's and the other HALF the same outputs' up (linear_ops.py interleaves the rows), so a
+ * tile's sums hold both and it writes HALF activations a panel, in cpu_math.h's arithmetic (silu_and_mul_f32's):
+ * the gate/up output is never written and read back. */
 
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_math.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -44,6 +51,8 @@ typedef __m256 vec;
 #endif
 #define PREFETCH_ROWS 48 /* of a panel (NB floats each) ahead of the one being read: 6 KiB with AVX-512 */
 
+#define HALF (NB / 2) /* a gated panel's gate (then up) columns */
+
 int64_t gemm_panel_columns(void) { return NB; }
 
 /* w [n, k] (rows `w_stride` apart) into ceil(n / NB) panels of [k][NB] at `packed`. */
@@ -59,8 +68,13 @@ void gemm_pack_f32(const float *w, int64_t w_stride, int64_t n, int64_t k, float
     }
 }
 
-static inline void finish(const float *sums, float *y, const float *bias, int64_t cols) {
-    if (bias != NULL)
+/* one row of a tile's sums for a panel into y: `cols` outputs (+ bias), or gated, HALF silu(gate) * up */
+static inline __attribute__((always_inline)) void finish(const float *sums, float *y, const float *bias, int64_t cols,
+                                                         const int gated) {
+    if (gated) {
+#pragma omp simd
+        for (int j = 0; j < HALF; j++) y[j] = silu_times(sums[j], sums[HALF + j]);
+    } else if (bias != NULL)
         for (int64_t j = 0; j < cols; j++) y[j] = sums[j] + bias[j];
     else
         memcpy(y, sums, (size_t)cols * sizeof(float));
@@ -69,7 +83,7 @@ static inline void finish(const float *sums, float *y, const float *bias, int64_
 /* `rows` (a constant once inlined: the sums stay in registers) rows of x against one panel. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride, const float *panel,
                                                        int64_t k, float *y, int64_t y_stride, const float *bias,
-                                                       int64_t cols, const int rows) {
+                                                       int64_t cols, const int rows, const int gated) {
     float sums[MR][NB];
 #ifdef VW
     vec lo[MR], hi[MR];
@@ -96,7 +110,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
         for (int m = 0; m < rows; m++)
             for (int j = 0; j < NB; j++) sums[m][j] += x[m * x_stride + i] * panel[i * NB + j];
 #endif
-    for (int m = 0; m < rows; m++) finish(sums[m], y + m * y_stride, bias, cols);
+    for (int m = 0; m < rows; m++) finish(sums[m], y + m * y_stride, bias, cols, gated);
 }
 
 #if defined(__AVX512F__)
@@ -107,7 +121,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
 /* `rows` (at most MR2) rows of x against panels `pa` and `pa`'s next, whose first `cols_b` columns are real. */
 static inline __attribute__((always_inline)) void tile2(const float *x, int64_t x_stride, const float *pa,
                                                         int64_t k, float *y, int64_t y_stride, const float *bias,
-                                                        int64_t cols_b, const int rows) {
+                                                        int64_t cols_b, const int rows, const int gated) {
     float sums[MR2][2 * NB];
     const float *pb = pa + k * NB;
     vec a_lo[MR2], a_hi[MR2], b_lo[MR2], b_hi[MR2];
@@ -133,14 +147,24 @@ static inline __attribute__((always_inline)) void tile2(const float *x, int64_t 
         vstore(sums[m] + NB, b_lo[m]);
         vstore(sums[m] + NB + VW, b_hi[m]);
     }
-    for (int m = 0; m < rows; m++) finish(sums[m], y + m * y_stride, bias, NB + cols_b);
+    for (int m = 0; m < rows; m++) {
+        if (gated) { /* panel b's activations follow a's */
+            finish(sums[m], y + m * y_stride, NULL, HALF, 1);
+            finish(sums[m] + NB, y + m * y_stride + HALF, NULL, HALF, 1);
+        } else {
+            finish(sums[m], y + m * y_stride, bias, NB + cols_b, 0);
+        }
+    }
 }
 #endif
 
-/* y [rows, n] (contiguous) = x [rows, k] (rows `x_stride` apart) @ the packed weight^T (+ bias [n], or NULL). */
-void gemm_f32(const float *x, int64_t x_stride, int64_t rows, int64_t k, const float *packed, int64_t n,
-              const float *bias, float *y, int64_t threads) {
-    int64_t panels = (n + NB - 1) / NB, paired = 0; /* panels taken two at a time */
+/* y [rows, n] (contiguous) = x [rows, k] (rows `x_stride` apart) @ the packed weight^T (+ bias [n], or NULL); gated
+ * (n a multiple of NB), y [rows, n / 2] = silu(gate) * up of the panels' halves. */
+static inline __attribute__((always_inline)) void gemm(const float *x, int64_t x_stride, int64_t rows, int64_t k,
+                                                       const float *packed, int64_t n, const float *bias, float *y,
+                                                       int64_t threads, const int gated) {
+    const int64_t panels = (n + NB - 1) / NB, y_cols = gated ? n / 2 : n;
+    int64_t paired = 0; /* panels taken two at a time */
 #ifdef PAIR_ROWS
     if (rows >= PAIR_ROWS && k <= PAIR_MAX_K) {
         int64_t tiles = (rows + MR2 - 1) / MR2;
@@ -151,10 +175,10 @@ void gemm_f32(const float *x, int64_t x_stride, int64_t rows, int64_t k, const f
                 int64_t m0 = t * MR2, c0 = p * NB, left = rows - m0;
                 int64_t cols_b = n - c0 - NB < NB ? n - c0 - NB : NB;
                 const float *xs = x + m0 * x_stride, *pa = packed + p * k * NB, *b = bias ? bias + c0 : NULL;
-                float *ys = y + m0 * n + c0;
+                float *ys = y + m0 * y_cols + (gated ? c0 / 2 : c0);
                 switch (left < MR2 ? left : MR2) {
 #define TILE(r) \
-    case r: tile2(xs, x_stride, pa, k, ys, n, b, cols_b, r); break;
+    case r: tile2(xs, x_stride, pa, k, ys, y_cols, b, cols_b, r, gated); break;
                     TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 #undef TILE
                 }
@@ -169,10 +193,10 @@ void gemm_f32(const float *x, int64_t x_stride, int64_t rows, int64_t k, const f
             int64_t m0 = t * MR, c0 = p * NB;
             int64_t left = rows - m0, cols = n - c0 < NB ? n - c0 : NB;
             const float *xs = x + m0 * x_stride, *panel = packed + p * k * NB, *b = bias ? bias + c0 : NULL;
-            float *ys = y + m0 * n + c0;
+            float *ys = y + m0 * y_cols + (gated ? c0 / 2 : c0);
             switch (left < MR ? left : MR) {
 #define TILE(r) \
-    case r: tile(xs, x_stride, panel, k, ys, n, b, cols, r); break;
+    case r: tile(xs, x_stride, panel, k, ys, y_cols, b, cols, r, gated); break;
                 TILE(1) TILE(2) TILE(3) TILE(4)
 #if MR > 4
                 TILE(5) TILE(6)
@@ -183,4 +207,15 @@ void gemm_f32(const float *x, int64_t x_stride, int64_t rows, int64_t k, const f
 #undef TILE
             }
         }
+}
+
+void gemm_f32(const float *x, int64_t x_stride, int64_t rows, int64_t k, const float *packed, int64_t n,
+              const float *bias, float *y, int64_t threads) {
+    gemm(x, x_stride, rows, k, packed, n, bias, y, threads, 0);
+}
+
+/* y [rows, n / 2] = silu(x @ gate^T) * (x @ up^T), the weight [n, k] packed gated (n a multiple of NB) */
+void gemm_silu_mul_f32(const float *x, int64_t x_stride, int64_t rows, int64_t k, const float *packed, int64_t n,
+                       float *y, int64_t threads) {
+    gemm(x, x_stride, rows, k, packed, n, NULL, y, threads, 1);
 }

@@ -74,6 +74,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {  # each function's ret
     "gemm_panel_columns": (_I64, []),
     "gemm_pack_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64]),
     "gemm_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64]),
+    "gemm_silu_mul_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64]),
     # a bf16 model's (cpu_layer_ops.c's second half): the fp32 ones' arguments, bf16 tensors
     "rms_norm_bf16": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _I64]),
     "add_rms_norm_bf16": (None, [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _I64]),

@@ -16,6 +16,12 @@ once the cache had cycled. A server's prefill chunks come in every size, so the 
 one of 72 sizes below 2048 (`padded_rows`: exact below 16, then eight a power of two), the padding zeros and the
 extra rows cut from the result: the same sweep then grows it by 58 MiB, once.
 
+An MLP's gate/up weight (gate's rows, then up's) may be packed gated (`PackedWeight(gate_up=True)`): its rows
+interleaved so that each panel holds half a panel of gate's outputs and the same outputs of up, and
+`linear_silu_and_mul_packed` runs the matmul with SiLU(gate) * up as its epilogue (cpu_gemm.c), never writing the
+[rows, 2 x intermediate] gate/up product out and reading it back; its bits are the matmul's and then
+silu_and_mul_cpu's, fused or not.
+
 The packed copy is kept beside the weight (the torch backend, the state dict and tied embeddings read the
 weight), so the linear layers' weights take twice their memory on the CPU backend, until the weight is let go
 (`PackedWeight.release`: what a served model does with its linear layers' weights once loaded).
@@ -34,6 +40,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .cpu_layer_ops import silu_and_mul_cpu
 from .cpu_native import cpu_unavailable_reason, native_library
 
 PACKED_LINEAR_AVAILABLE = torch.backends.mkldnn.is_available()
@@ -93,12 +100,22 @@ def _gemm() -> ctypes.CDLL | None:
     return native_library() if cpu_unavailable_reason() is None else None
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 weight [out, in] as cpu_gemm.c's column panels [ceil(out / width), in, width], zeros past `out`."""
+def gated_panels_fit(weight: torch.Tensor) -> bool:
+    """Whether a gate/up weight [2 x intermediate, in] packs gated: its halves split into whole half panels."""
+    library = _gemm()
+    return library is not None and weight.shape[0] % library.gemm_panel_columns() == 0
+
+
+def pack_panels(weight: torch.Tensor, *, gated: bool = False) -> torch.Tensor:
+    """An fp32 weight [out, in] as cpu_gemm.c's column panels [ceil(out / width), in, width], zeros past `out`;
+    gated (`gated_panels_fit`), a gate/up weight with each panel's columns half gate's, half up's (the same outputs)."""
     library = _gemm()
     assert library is not None, "the CPU kernels do not build here"
     width = library.gemm_panel_columns()
     outputs, features = weight.shape
+    if gated:
+        assert gated_panels_fit(weight), f"a gate/up weight of {outputs} rows does not split into panels of {width}"
+        weight = weight.reshape(2, outputs // width, width // 2, features).transpose(0, 1).reshape(outputs, features)
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     panels = torch.empty(-(-outputs // width), features, width)
@@ -122,19 +139,35 @@ def panels_linear(x: torch.Tensor, panels: torch.Tensor, outputs: int, bias: tor
     return out
 
 
+def panels_silu_and_mul(x: torch.Tensor, panels: torch.Tensor, outputs: int) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) [rows, outputs / 2] from a gate/up weight of `outputs` rows packed gated."""
+    library = _gemm()
+    assert library is not None, "the CPU kernels do not build here"
+    if x.stride(1) != 1 and x.shape[1] > 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], outputs // 2)
+    if x.shape[0]:
+        library.gemm_silu_mul_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], panels.data_ptr(), outputs,
+                                  out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 class PackedWeight:
     """One linear layer's weight packed (fp32: `pack_panels`, where the CPU kernels build; else oneDNN's layout)
     from the weight at its first use, and packed again whenever the weight is replaced or changed in place (its
     version counter), so it is never stale; or, once released, the only copy there is. A bf16 weight where oneDNN
-    has no bf16 kernel (`packs`) is kept as it is."""
+    has no bf16 kernel (`packs`) is kept as it is. `gate_up`: an MLP's gate/up weight, packed gated where it is
+    fp32 panels and fits (`gated`)."""
 
-    __slots__ = ("_key", "_packed", "_released", "_source")
+    __slots__ = ("_key", "_packed", "_released", "_source", "gate_up", "gated")
 
-    def __init__(self) -> None:
+    def __init__(self, *, gate_up: bool = False) -> None:
         self._source: torch.Tensor | None = None  # held, so that its id cannot be reused while it is the key
         self._key: tuple[int, int] = (-1, -1)
         self._packed: torch.Tensor | None = None
         self._released = False
+        self.gate_up = gate_up
+        self.gated = False  # the copy is gated panels: `matmul` puts its columns back in the weight's order
 
     def of(self, weight: torch.Tensor) -> torch.Tensor:
         if self._released:  # the weight given is the meta stand-in `release` returned: this copy is all there is
@@ -145,8 +178,10 @@ class PackedWeight:
             check_linear_dtype(weight=weight)
             with torch.no_grad():
                 plain = weight.detach()
+                self.gated = False
                 if plain.dtype == torch.float32 and _gemm() is not None:
-                    self._packed = pack_panels(plain)
+                    self.gated = self.gate_up and gated_panels_fit(plain)
+                    self._packed = pack_panels(plain, gated=self.gated)
                 elif packs(plain.dtype):
                     self._packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
                 else:
@@ -157,11 +192,19 @@ class PackedWeight:
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] @ `weight` (packed at first use; its shape is enough once released) + bias, unchecked."""
         packed = self.of(weight)
+        if packed.dim() == 3 and self.gated:  # each panel's halves back to gate's columns, then up's
+            rows, half = panels_linear(x, packed, weight.shape[0], bias), packed.shape[2] // 2
+            return rows.view(x.shape[0], -1, 2, half).transpose(1, 2).reshape(x.shape[0], weight.shape[0])
         if packed.dim() == 3:  # cpu_gemm.c's panels
             return panels_linear(x, packed, weight.shape[0], bias)
         if packs(x.dtype):
             return onednn_linear(x, packed, bias)
         return F.linear(x, packed, bias)
+
+    def silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """silu(x [rows, in] @ gate.T) * (x @ up.T) in one pass where `weight` is packed gated; else None."""
+        packed = self.of(weight)
+        return panels_silu_and_mul(x, packed, weight.shape[0]) if self.gated else None
 
     def release(self, weight: torch.Tensor) -> torch.Tensor:
         """Packs `weight` and keeps only the packed copy from now on; returns a tensor on the meta device of
@@ -192,3 +235,18 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"x is {x.dtype}, the weight {weight.dtype}: the packed matmul takes one dtype")
     rows = packed.matmul(x.reshape(-1, x.shape[-1]), weight, bias)
     return rows.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_silu_and_mul_packed(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for an MLP's gate/up weight [2 x intermediate, in] (gate's rows first), packed
+    once into `packed`: one pass where it packs gated (fp32 panels), else linear_packed and then silu_and_mul_cpu;
+    the same bits either way."""
+    check_linear_dtype(x=x)
+    if x.shape[-1] != weight.shape[1] or x.dtype != weight.dtype:
+        raise ValueError(f"x ({x.dtype}, {x.shape[-1]} features) does not fit the weight {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+    rows = x.reshape(-1, x.shape[-1])
+    fused = packed.silu_and_mul(rows, weight)
+    if fused is None:
+        return silu_and_mul_cpu(linear_packed(x, weight, None, packed))
+    return fused.view(*x.shape[:-1], weight.shape[0] // 2)

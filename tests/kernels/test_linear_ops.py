@@ -1,6 +1,7 @@
 """The packed linear (fp32: cpu_gemm.c's panels; bf16: oneDNN) against fp64 matmuls, a row's fp32 result the same
 bits in any batch, on any thread count and in every build of cpu_gemm.c with FMA, its packed copy never stale, and
-the few row counts it hands oneDNN."""
+the few row counts it hands oneDNN; the gate/up matmul with SiLU * up fused, against the two ops one after the
+other."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ import pytest
 import torch
 
 from pagedserve.kernels import linear_ops
-from pagedserve.kernels.linear_ops import PACKED_LINEAR_AVAILABLE, PackedWeight, linear_packed, linear_ref, padded_rows
+from pagedserve.kernels.cpu_layer_ops import silu_and_mul_cpu
+from pagedserve.kernels.linear_ops import (
+    PACKED_LINEAR_AVAILABLE,
+    PackedWeight,
+    linear_packed,
+    linear_ref,
+    linear_silu_and_mul_packed,
+    padded_rows,
+)
 
 pytestmark = pytest.mark.skipif(not PACKED_LINEAR_AVAILABLE, reason="this torch build has no oneDNN")
 
@@ -158,6 +167,49 @@ def test_an_fp32_rows_result_is_the_same_bits_in_any_batch_and_on_any_thread_cou
         torch.set_num_threads(threads)
 
 
+def _unfused(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul_cpu(linear_packed(x, weight, None, PackedWeight()))
+
+
+@pytest.mark.parametrize(("features", "intermediate"), [(576, 1536), (40, 48)])
+def test_the_gated_gate_up_matmul_gives_the_matmul_then_silu_and_mul_bit_for_bit(features: int,
+                                                                                 intermediate: int) -> None:
+    """SiLU * up as the gate/up GEMM's epilogue: the activations of the matmul followed by silu_and_mul_cpu, bit for
+    bit, in any batch (below 12 rows one panel a tile, from 64 rows two: AVX-512) and on any thread count; and the
+    plain matmul of the gated copy gives the columns back in the weight's order. (48: three AVX-512 half panels,
+    so the last panels go unpaired.)"""
+    weight = seeded(2 * intermediate, features, seed=24) / features**0.5
+    x, packed = seeded(130, features, seed=25) * 2, PackedWeight(gate_up=True)  # x 2: gates far into SiLU's tails
+    whole = linear_silu_and_mul_packed(x, weight, packed)
+    assert packed.gated and whole.shape == (130, intermediate)
+    assert torch.equal(whole, _unfused(x, weight))
+    for start, stop in [(0, 1), (5, 6), (3, 16), (0, 64), (3, 70), (60, 130)]:
+        assert torch.equal(linear_silu_and_mul_packed(x[start:stop], weight, packed), whole[start:stop])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(linear_silu_and_mul_packed(x, weight, packed), whole)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(linear_packed(x, weight, None, packed), linear_packed(x, weight, None, PackedWeight()))
+    gate, up = (x.double() @ weight.double().t()).chunk(2, dim=1)
+    torch.testing.assert_close(whole.double(), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-4)
+
+
+def test_a_gate_up_weight_that_does_not_split_into_panels_or_is_bf16_goes_unfused() -> None:
+    width = linear_ops._gemm().gemm_panel_columns()  # type: ignore[union-attr]
+    weight, x = seeded(2 * (width // 2 + 1), 24, seed=26), seeded(9, 24, seed=27)  # half a panel and one more
+    packed = PackedWeight(gate_up=True)
+    assert torch.equal(linear_silu_and_mul_packed(x, weight, packed), _unfused(x, weight)) and not packed.gated
+    bf16, packed = seeded(2 * width, 24, seed=28).bfloat16(), PackedWeight(gate_up=True)
+    got = linear_silu_and_mul_packed(x.bfloat16(), bf16, packed)
+    assert torch.equal(got, silu_and_mul_cpu(linear_packed(x.bfloat16(), bf16, None, PackedWeight())))
+    assert not packed.gated
+    with pytest.raises(ValueError, match="does not fit"):
+        linear_silu_and_mul_packed(x[:, :20], weight, packed)
+
+
 def test_without_the_cpu_kernels_fp32_goes_through_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
     # A mock of the machine, not of the code: a host without a C compiler cannot be had where the tests run
     monkeypatch.setattr(linear_ops, "_gemm", lambda: None)
@@ -188,11 +240,25 @@ def _gemm_with(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, b: t
     return out
 
 
+def _gated_with(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The gate/up matmul with SiLU * up fused in `library`, its weight interleaved for its panels by hand."""
+    i64, width = ctypes.c_int64, library.gemm_panel_columns()
+    (outputs, features), rows = weight.shape, x.shape[0]
+    interleaved = weight.view(2, outputs // width, width // 2, features).transpose(0, 1).reshape(outputs, features)
+    panels, out = torch.empty(outputs // width, features, width), torch.empty(rows, outputs // 2)
+    library.gemm_pack_f32(ctypes.c_void_p(interleaved.data_ptr()), i64(features), i64(outputs), i64(features),
+                          ctypes.c_void_p(panels.data_ptr()), i64(1))
+    library.gemm_silu_mul_f32(ctypes.c_void_p(x.data_ptr()), i64(features), i64(rows), i64(features),
+                              ctypes.c_void_p(panels.data_ptr()), i64(outputs), ctypes.c_void_p(out.data_ptr()), i64(1))
+    return out
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("gcc") is None, reason="x86-64 builds, by gcc")
 def test_the_avx2_build_gives_this_builds_bits_and_the_plain_one_is_as_close_to_fp64(tmp_path: Path) -> None:
     """This machine's build (AVX-512 here, or AVX2) against cpu_gemm.c built for AVX2 with FMA (an AMD host's path)
     and for plain x86-64 (no FMA: its C loops): every FMA build sums in the same order, so the bits are equal. 70
-    rows: AVX-512 pairs panels there (the second one short at 50 outputs, one left over at 70)."""
+    rows: AVX-512 pairs panels there (the second one short at 50 outputs, one left over at 70). The gate/up matmul with
+    SiLU * up fused, too (its weight interleaved for each build's panel width)."""
     avx2, plain = _gemm_build(tmp_path, "x86-64-v3"), _gemm_build(tmp_path, "x86-64")
     for outputs in (50, 70):
         weight, b, x = seeded(outputs, 300, seed=21) / 300**0.5, seeded(outputs, seed=22), seeded(70, 300, seed=23)
@@ -200,3 +266,6 @@ def test_the_avx2_build_gives_this_builds_bits_and_the_plain_one_is_as_close_to_
         assert torch.equal(_gemm_with(avx2, x, weight, b), here)
         expected = torch.nn.functional.linear(x.double(), weight.double(), b.double())
         assert (_gemm_with(plain, x, weight, b).double() - expected).abs().max().item() <= 1e-5
+    gate_up, x = seeded(192, 300, seed=24) / 300**0.5, seeded(70, 300, seed=25) * 2  # SiLU * up fused, too
+    here = linear_silu_and_mul_packed(x, gate_up, PackedWeight(gate_up=True))
+    assert torch.equal(_gated_with(avx2, x, gate_up), here)

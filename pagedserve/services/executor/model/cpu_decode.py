@@ -5,7 +5,8 @@ code and data out of cache: on a 2-core AVX2 machine a 64-row RMSNorm through it
 us after a GEMM, against ~11 us for its C kernel called with raw pointers while warm (docs/performance.md).
 So for a step of decodes only, over a paged cache, this forward checks its inputs and allocates its buffers
 once per step, not once per layer, and calls each C kernel with raw pointers: a layer is four GEMMs and
-four C calls (the residual add with its norm, twice; rotary, cache write and attention in one; SiLU * up).
+four C calls (the residual add with its norm, twice; rotary, cache write and attention in one; SiLU * up, which
+the gate/up GEMM does itself where its weight is packed for it: every fp32 model whose intermediate size fits).
 The kernels, their order and their arithmetic are those of `LlamaForCausalLM.forward` on the cpu backend,
 so the hidden states are equal bit for bit (tests/executor/test_cpu_decode.py).
 
@@ -26,7 +27,7 @@ from ....kernels import KernelBackend
 from ....kernels._common import check_block_tables
 from ....kernels.backend import CPU_BACKEND
 from ....kernels.cpu_native import check_cpu_caches, check_status, native_library
-from ....kernels.linear_ops import linear_packed
+from ....kernels.linear_ops import linear_packed, linear_silu_and_mul_packed
 from ..attention import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ def decode_forward(
                   *((attended_in.data_ptr(),) if bf16 else ()), n, heads, kv_heads, head_dim,
                   layers[0].self_attn.scale, threads)
     cache_args = (num_blocks, block_size) if bf16 else (kv_bf16, num_blocks, block_size)
-    matmul = _matmul(model.backend)
+    matmul, gated_matmul = _matmul(model.backend), _gated_matmul(model.backend)
     rms_norm, add_rms_norm, decode_attention, silu_and_mul = (
         (lib.rms_norm_bf16, lib.add_rms_norm_bf16, lib.decode_attention_layer_bf16, lib.silu_and_mul_bf16) if bf16
         else (lib.rms_norm_f32, lib.add_rms_norm_f32, lib.decode_attention_layer_f32, lib.silu_and_mul_f32))
@@ -94,9 +95,11 @@ def decode_forward(
         out = matmul(attended_in, attention.o_proj)
         norm = layer.post_attention_layernorm
         add_rms_norm(x_ptr, out.data_ptr(), hidden, norm.weight.data_ptr(), normed_ptr, n, hidden, norm.eps, threads)
-        gate_up = matmul(normed, mlp.gate_up_proj)
-        silu_and_mul(gate_up.data_ptr(), 2 * inter, activated_ptr, n, inter, threads)
-        delta = matmul(activated, mlp.down_proj)
+        fused = gated_matmul(normed, mlp.gate_up_proj)  # SiLU * up in the gate/up matmul, where it packs so
+        if fused is None:
+            gate_up = matmul(normed, mlp.gate_up_proj)
+            silu_and_mul(gate_up.data_ptr(), 2 * inter, activated_ptr, n, inter, threads)
+        delta = matmul(activated if fused is None else fused, mlp.down_proj)
     assert delta is not None, "a model without layers"
     return model.norm(x, delta)
 
@@ -118,6 +121,14 @@ def _cache_dtype(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv_heads: i
     if dtype == torch.bfloat16 and not kv_bf16:
         raise ValueError("a bf16 model's decode step needs bf16 caches")
     return kv_bf16
+
+
+def _gated_matmul(backend: KernelBackend) -> Any:
+    """The gate/up matmul with SiLU * up fused (a function returning None where the layer is not packed for it, as
+    is every layer where the backend has no such op): `LlamaForCausalLM.forward`'s arithmetic either way."""
+    if backend.linear_silu_and_mul is linear_silu_and_mul_packed:
+        return lambda x, linear: linear.packed.silu_and_mul(x, linear.weight)
+    return lambda x, linear: None
 
 
 def _matmul(backend: KernelBackend) -> Any:

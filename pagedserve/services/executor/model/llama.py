@@ -49,12 +49,14 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear through the kernel backend's matmul, which may keep a copy of the weight in a layout of its
-    own (`packed`: the CPU backend's oneDNN layout, made again if the weight changes)."""
+    own (`packed`: the CPU backend's panels or oneDNN layout, made again if the weight changes). `gate_up`: an MLP's
+    gate/up layer, which the backend may pack for its SiLU * up fused (`PackedWeight`)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, backend: KernelBackend) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, backend: KernelBackend, *,
+                 gate_up: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.backend = backend
-        self.packed = PackedWeight()
+        self.packed = PackedWeight(gate_up=gate_up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.linear(x, self.weight, self.bias, self.packed)
@@ -98,12 +100,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, backend)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, backend, gate_up=True)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, backend)
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
-        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+        fused, gate_up = self.backend.linear_silu_and_mul, self.gate_up_proj
+        activated = self.backend.silu_and_mul(gate_up(x)) if fused is None else fused(x, gate_up.weight, gate_up.packed)
+        return self.down_proj(activated)
 
 
 class DecoderLayer(nn.Module):
