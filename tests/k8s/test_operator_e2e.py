@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -26,7 +25,7 @@ from typing import Any
 import grpc
 import polling
 import pytest
-from polling import free_port
+from namespaced import Namespaced, stop
 
 from pagedserve.protos import inference_pb2 as pb
 from pagedserve.protos import inference_pb2_grpc as pb_grpc
@@ -45,39 +44,22 @@ POLICY = {"targetBlockPressure": 0.5, "metricsWindowSeconds": 4, "tolerance": 0.
 wait_for = functools.partial(polling.wait_for, timeout=60.0, poll_s=0.2)
 
 
-class Scenario:
-    """The namespace, the operator process and the model under test."""
+class Scenario(Namespaced):
+    """The namespace, the operator processes and the model under test."""
 
     def __init__(self, cluster: Any, kubelet: Any, namespace: str, model_dir: Path) -> None:
-        self.cluster, self.kubelet, self.namespace, self.model_dir = cluster, kubelet, namespace, model_dir
+        super().__init__(cluster, kubelet, namespace)
+        self.model_dir = model_dir
         self.operators: dict[int, subprocess.Popen[str]] = {}  # by peering priority
         self.logs = Path(kubelet.logs_dir) / f"operators-{namespace}"
         self.logs.mkdir()
         self.health_port = 0
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
-        return str(self.cluster.kubectl("-n", self.namespace, *args, input=input, check=check))
-
-    def get(self, kind: str, name: str = "") -> Any:
-        out = self.kubectl("get", kind, *([name] if name else []), "-o", "json", check=False)
-        return json.loads(out) if out.strip() else None
-
-    def apply(self, manifest: dict[str, Any]) -> str:
-        # the API server validates, not kubectl (1.34 would check the 1.20 schema itself, and say it differently)
-        return self.kubectl("apply", "--validate=false", "-f", "-", input=json.dumps(manifest))
-
     def start_operator(self, priority: int) -> subprocess.Popen[str]:
-        """`pagedserve operator` as a ServiceAccount with exactly the chart's RBAC rights, in kopf peering:
-        of several, the one with the highest priority works and the others stand by."""
-        kubeconfig = self.cluster.service_account_kubeconfig(self.namespace, "pagedserve-operator")
-        log = (self.logs / f"operator-{priority}.log").open("a")
-        self.health_port = free_port()
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve", "operator", "--namespace", self.namespace,
-             "--interval", str(INTERVAL_S), "--scrape-timeout", "0.5", "--peering", "pagedserve",
-             "--priority", str(priority), "--health-listen", f"127.0.0.1:{self.health_port}"],
-            stdout=log, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "KUBECONFIG": str(kubeconfig)})
+        """An operator in kopf peering: of several, the one with the highest priority works and the others stand
+        by."""
+        operator, self.health_port = self.launch_operator(self.logs / f"operator-{priority}.log", INTERVAL_S,
+                                                          "--peering", "pagedserve", "--priority", str(priority))
         self.operators[priority] = operator
         return operator
 
@@ -86,14 +68,7 @@ class Scenario:
         return path.read_text() if path.exists() else ""
 
     def stop_operator(self, priority: int) -> None:
-        operator = self.operators.pop(priority)
-        if operator.poll() is None:
-            operator.send_signal(signal.SIGTERM)
-            try:
-                operator.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                operator.kill()
-                operator.wait()
+        stop(self.operators.pop(priority))
 
     def model(self) -> dict[str, Any]:
         return dict(self.get("pagedmodel", "tiny"))
@@ -103,11 +78,6 @@ class Scenario:
 
     def condition(self, kind: str) -> dict[str, Any]:
         return next((c for c in self.status().get("conditions", []) if c["type"] == kind), {})
-
-    def ready_pods(self) -> list[dict[str, Any]]:
-        pods = self.get("pods", "")["items"]
-        return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
-            c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
 
     def events(self, reason: str) -> list[dict[str, Any]]:
         items = self.get("events", "")["items"]

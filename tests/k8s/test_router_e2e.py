@@ -15,9 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -28,7 +25,7 @@ from typing import Any
 import grpc
 import polling
 import pytest
-from polling import free_port
+from namespaced import WithOperator
 
 from pagedserve.protos import inference_pb2 as pb
 from pagedserve.protos import inference_pb2_grpc as pb_grpc
@@ -42,26 +39,8 @@ ROUTER = "tiny-router"
 wait_for = functools.partial(polling.wait_for, timeout=60.0, poll_s=0.2)
 
 
-class Routed:
+class Routed(WithOperator):
     """The namespace, the operator, and the PagedModel `tiny` behind its router."""
-
-    def __init__(self, cluster: Any, kubelet: Any, namespace: str) -> None:
-        self.cluster, self.kubelet, self.namespace = cluster, kubelet, namespace
-        self.operator: subprocess.Popen[str] | None = None
-        self.log = Path(kubelet.logs_dir) / f"operator-{namespace}.log"
-
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
-        return str(self.cluster.kubectl("-n", self.namespace, *args, input=input, check=check))
-
-    def get(self, kind: str, name: str = "") -> Any:
-        out = self.kubectl("get", kind, *([name] if name else []), "-o", "json", check=False)
-        return json.loads(out) if out.strip() else None
-
-    def ready_pods(self, component: str) -> list[dict[str, Any]]:
-        pods = self.get("pods", "")["items"]
-        return [p for p in pods if p["metadata"]["labels"].get("app.kubernetes.io/component") == component
-                and not p["metadata"].get("deletionTimestamp") and any(
-                    c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
 
     def pod_addresses(self) -> dict[str, str]:
         """The ready model pods: address as the router names them -> pod name."""
@@ -71,26 +50,9 @@ class Routed:
         (router,) = wait_for(lambda: self.ready_pods("router"), "a ready router pod")
         return f"{router['status']['podIP']}:50051"
 
-    def start_operator(self) -> None:
-        kubeconfig = self.cluster.service_account_kubeconfig(self.namespace, "pagedserve-operator")
-        self.operator = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve", "operator", "--namespace", self.namespace, "--interval", "1",
-             "--scrape-timeout", "0.5", "--health-listen", f"127.0.0.1:{free_port()}"],
-            stdout=self.log.open("a"), stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "KUBECONFIG": str(kubeconfig)})
-
-    def stop_operator(self) -> None:
-        if self.operator is not None and self.operator.poll() is None:
-            self.operator.send_signal(signal.SIGTERM)
-            try:
-                self.operator.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.operator.kill()
-                self.operator.wait()
-
     def diagnostics(self) -> str:
-        log = self.log.read_text()[-3000:] if self.log.exists() else ""
-        return f"operator log (tail):\n{log}\nrouter log:\n{self.kubelet.logs(self.namespace, ROUTER)[-4000:]}"
+        router = self.kubelet.logs(self.namespace, ROUTER)[-4000:]
+        return f"operator log (tail):\n{self.operator_log_tail()}\nrouter log:\n{router}"
 
 
 def finished(address: str) -> int:
@@ -130,7 +92,7 @@ def routed(cluster: Any, kubelet: Any, tiny_chat_model_dir: Path) -> Iterator[Ro
                       "cache": {"blockSize": 4, "numBlocks": 64}, "scheduler": {"maxNumSeqs": 4},
                       # round-robin: the spread is what the test checks, not the choice (tests/router has that)
                       "router": {"policy": "round-robin"}}}
-    r.kubectl("apply", "--validate=false", "-f", "-", input=json.dumps(model))
+    r.apply(model)
     try:
         yield r
     finally:

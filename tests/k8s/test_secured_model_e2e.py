@@ -17,10 +17,8 @@ import functools
 import json
 import os
 import secrets
-import signal
 import ssl
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -32,7 +30,7 @@ from typing import Any
 import grpc
 import polling
 import pytest
-from polling import free_port
+from namespaced import WithOperator
 
 from pagedserve.operator.credentials import DIGEST_ANNOTATION
 from pagedserve.protos import inference_pb2 as pb
@@ -91,50 +89,16 @@ def secret(name: str, data: dict[str, bytes], kind: str = "Opaque") -> dict[str,
             "data": {k: base64.b64encode(v).decode() for k, v in data.items()}}
 
 
-class Secured:
+class Secured(WithOperator):
     """The namespace, the operator, the Secrets and the PagedModel `tiny`."""
 
     def __init__(self, cluster: Any, kubelet: Any, namespace: str, certs: Certs, folder: Path) -> None:
-        self.cluster, self.kubelet, self.namespace, self.certs = cluster, kubelet, namespace, certs
-        self.folder = folder
-        self.operator: subprocess.Popen[str] | None = None
-        self.log = Path(kubelet.logs_dir) / f"operator-{namespace}.log"
-
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
-        return str(self.cluster.kubectl("-n", self.namespace, *args, input=input, check=check))
-
-    def get(self, kind: str, name: str = "") -> Any:
-        out = self.kubectl("get", kind, *([name] if name else []), "-o", "json", check=False)
-        return json.loads(out) if out.strip() else None
-
-    def apply(self, manifest: dict[str, Any]) -> None:
-        self.kubectl("apply", "-f", "-", input=json.dumps(manifest))
-
-    def ready_pods(self, component: str) -> list[dict[str, Any]]:
-        return [p for p in self.get("pods")["items"] if p["metadata"]["labels"].get("app.kubernetes.io/component")
-                == component and not p["metadata"].get("deletionTimestamp") and any(
-                    c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
-
-    def start_operator(self) -> None:
-        kubeconfig = self.cluster.service_account_kubeconfig(self.namespace, "pagedserve-operator")
-        self.operator = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve", "operator", "--namespace", self.namespace, "--interval", "1",
-             "--scrape-timeout", "0.5", "--health-listen", f"127.0.0.1:{free_port()}"],
-            stdout=self.log.open("a"), stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "KUBECONFIG": str(kubeconfig)})
-
-    def stop_operator(self) -> None:
-        if self.operator is not None and self.operator.poll() is None:
-            self.operator.send_signal(signal.SIGTERM)
-            try:
-                self.operator.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.operator.kill()
-                self.operator.wait()
+        super().__init__(cluster, kubelet, namespace)
+        self.certs, self.folder = certs, folder
 
     def diagnostics(self) -> str:
-        log = self.log.read_text()[-3000:] if self.log.exists() else ""
-        return f"operator log (tail):\n{log}\npods:\n{self.kubelet.logs(self.namespace, 'tiny')[-6000:]}"
+        pods = self.kubelet.logs(self.namespace, "tiny")[-6000:]
+        return f"operator log (tail):\n{self.operator_log_tail()}\npods:\n{pods}"
 
     def credentials(self, client_cert: bool = True, stranger: bool = False) -> grpc.ChannelCredentials:
         c = self.certs
