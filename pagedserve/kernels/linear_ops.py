@@ -124,31 +124,24 @@ def pack_panels(weight: torch.Tensor, *, gated: bool = False) -> torch.Tensor:
     return panels
 
 
-def panels_linear(x: torch.Tensor, panels: torch.Tensor, outputs: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] (fp32, rows any distance apart) @ the weight packed by `pack_panels` (+ bias): [rows, outputs]."""
+def panels_linear(x: torch.Tensor, panels: torch.Tensor, outputs: int, bias: torch.Tensor | None, *,
+                  gated: bool = False) -> torch.Tensor:
+    """x [rows, in] (fp32, rows any distance apart) @ the weight packed by `pack_panels` (+ bias): [rows, outputs];
+    gated (a gate/up weight packed gated, no bias), silu(x @ gate.T) * (x @ up.T): [rows, outputs / 2]."""
     library = _gemm()
     assert library is not None, "the CPU kernels do not build here"
+    assert not (gated and bias is not None), "a gated matmul takes no bias"
     if x.stride(1) != 1 and x.shape[1] > 1:
         x = x.contiguous()
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    out = torch.empty(x.shape[0], outputs)
-    if x.shape[0]:
-        library.gemm_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], panels.data_ptr(), outputs,
-                         None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
-    return out
-
-
-def panels_silu_and_mul(x: torch.Tensor, panels: torch.Tensor, outputs: int) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) [rows, outputs / 2] from a gate/up weight of `outputs` rows packed gated."""
-    library = _gemm()
-    assert library is not None, "the CPU kernels do not build here"
-    if x.stride(1) != 1 and x.shape[1] > 1:
-        x = x.contiguous()
-    out = torch.empty(x.shape[0], outputs // 2)
-    if x.shape[0]:
+    out = torch.empty(x.shape[0], outputs // 2 if gated else outputs)
+    if x.shape[0] and gated:
         library.gemm_silu_mul_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], panels.data_ptr(), outputs,
                                   out.data_ptr(), torch.get_num_threads())
+    elif x.shape[0]:
+        library.gemm_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], panels.data_ptr(), outputs,
+                         None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -192,7 +185,7 @@ class PackedWeight:
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] @ `weight` (packed at first use; its shape is enough once released) + bias, unchecked."""
         packed = self.of(weight)
-        if packed.dim() == 3 and self.gated:  # each panel's halves back to gate's columns, then up's
+        if self.gated:  # cpu_gemm.c's panels, each one's halves put back as gate's columns, then up's
             rows, half = panels_linear(x, packed, weight.shape[0], bias), packed.shape[2] // 2
             return rows.view(x.shape[0], -1, 2, half).transpose(1, 2).reshape(x.shape[0], weight.shape[0])
         if packed.dim() == 3:  # cpu_gemm.c's panels
@@ -204,7 +197,7 @@ class PackedWeight:
     def silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """silu(x [rows, in] @ gate.T) * (x @ up.T) in one pass where `weight` is packed gated; else None."""
         packed = self.of(weight)
-        return panels_silu_and_mul(x, packed, weight.shape[0]) if self.gated else None
+        return panels_linear(x, packed, weight.shape[0], None, gated=True) if self.gated else None
 
     def release(self, weight: torch.Tensor) -> torch.Tensor:
         """Packs `weight` and keeps only the packed copy from now on; returns a tensor on the meta device of
@@ -223,16 +216,20 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
-def linear_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """linear_ref with `weight` packed once into `packed`: fp32 or bf16 CPU tensors, x of the weight's dtype (bf16
-    where oneDNN has no bf16 kernel: `F.linear` on the weight `packed` keeps). The packed matmuls write a tensor of
-    their own, so `out` is not used (the allocator reuses the freed one from the step before)."""
+def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
     check_linear_dtype(x=x)  # the weight's device: checked where it is packed
     if x.shape[-1] != weight.shape[1]:  # oneDNN's own message would not say which
         raise ValueError(f"x has {x.shape[-1]} features, the weight {tuple(weight.shape)} takes {weight.shape[1]}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x is {x.dtype}, the weight {weight.dtype}: the packed matmul takes one dtype")
+
+
+def linear_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_ref with `weight` packed once into `packed`: fp32 or bf16 CPU tensors, x of the weight's dtype (bf16
+    where oneDNN has no bf16 kernel: `F.linear` on the weight `packed` keeps). The packed matmuls write a tensor of
+    their own, so `out` is not used (the allocator reuses the freed one from the step before)."""
+    _check_operands(x, weight)
     rows = packed.matmul(x.reshape(-1, x.shape[-1]), weight, bias)
     return rows.view(*x.shape[:-1], weight.shape[0])
 
@@ -241,10 +238,7 @@ def linear_silu_and_mul_packed(x: torch.Tensor, weight: torch.Tensor, packed: Pa
     """silu(x @ gate.T) * (x @ up.T) for an MLP's gate/up weight [2 x intermediate, in] (gate's rows first), packed
     once into `packed`: one pass where it packs gated (fp32 panels), else linear_packed and then silu_and_mul_cpu;
     the same bits either way."""
-    check_linear_dtype(x=x)
-    if x.shape[-1] != weight.shape[1] or x.dtype != weight.dtype:
-        raise ValueError(f"x ({x.dtype}, {x.shape[-1]} features) does not fit the weight {tuple(weight.shape)} "
-                         f"{weight.dtype}")
+    _check_operands(x, weight)
     rows = x.reshape(-1, x.shape[-1])
     fused = packed.silu_and_mul(rows, weight)
     if fused is None:
