@@ -55,21 +55,21 @@ typedef __m256 vec;
 #define HALF (NB / 2) /* a gated panel's gate (then up) columns */
 
 /* The 64-byte lines a tile prefetches into L2 (one every `every` of its k steps), of the panels its thread takes
- * next: where a panel has several tiles, the first would otherwise read it from memory while the others only
- * compute. Spread over all of a panel's tiles, the next panels arrive at the rate they are needed, the weight stream
- * overlapping the multiply-adds (a step's matmuls at 24-64 rows ~12-16 % sooner). */
+ * next. Where a panel has several tiles, the first would otherwise read it from memory while the others only
+ * compute: spread over all of a panel's tiles, the next panels arrive at the rate they are needed, the weight stream
+ * overlapping the multiply-adds. A panel's only tile (a decode of up to MR rows) fetches the start of the next panel
+ * a whole panel ahead, further than its own PREFETCH_ROWS stream reaches. */
 typedef struct {
     const char *at;
     int64_t lines, every;
 } ahead_t;
 
-/* tile t's share of `count` panels from `first` (none past the last panel, none where a panel has one tile: that
- * stream is sequential, prefetched PREFETCH_ROWS ahead) */
+/* tile t's share of `count` panels from `first` (none past the last panel), at most a line a k step */
 static inline ahead_t look_ahead(const float *packed, int64_t k, int64_t first, int64_t count, int64_t panels,
                                  int64_t tiles, int64_t t) {
     ahead_t none = {NULL, 0, 1};
     int64_t left = panels - first < count ? panels - first : count;
-    if (tiles < 2 || left <= 0) return none;
+    if (left <= 0) return none;
     int64_t total = left * k * NB * (int64_t)sizeof(float) / 64, share = (total + tiles - 1) / tiles;
     if (share > k) share = k;
     int64_t start = t * share;
