@@ -27,6 +27,7 @@ BENCHMARKS = {
     "autoscale": ("pagedserve.benchmarks.autoscale", "a simulated day: the scaling policy vs static and HPA"),
     "blocks": ("pagedserve.benchmarks.blocks", "block-manager utilization and step latency"),
     "cpu-attention": ("pagedserve.benchmarks.cpu_attention", "CPU decode attention: the C kernel vs the torch path"),
+    "cpu-gemm": ("pagedserve.benchmarks.cpu_gemm", "a step's fp32 matmuls in cpu_gemm.c per row count; --ab-source"),
     "executor": ("pagedserve.benchmarks.executor", "generation throughput vs HF transformers generate()"),
     "fleet": ("pagedserve.benchmarks.fleet", "routing policies over real pods behind the router, or simulated"),
     "host-step": ("pagedserve.benchmarks.host_step", "host CPU of a steady decode step per side, in process, no gRPC"),

@@ -275,17 +275,19 @@ def check_status(status: int) -> None:
         raise ValueError(ERRORS.get(status, f"the kernel failed with code {status}"))
 
 
-def library_from(source: Path, directory: Path) -> ctypes.CDLL:
-    """Another build of the decode attention kernel (`source`, built as the kernels are, into `directory`), with
-    its signature: `bench cpu-attention --ab-source` compares it with this one, in one process."""
+def library_from(source: Path, directory: Path, functions: tuple[str, ...] = ("paged_decode_attention_f32",)
+                 ) -> ctypes.CDLL:
+    """Another build of one kernel source (`source`, an edited copy, built as the kernels are, into `directory`),
+    with its `functions`' signatures: `bench cpu-attention --ab-source` and `bench cpu-gemm --ab-source` compare
+    it with the kernels' own build, in one process."""
     native_library()  # torch's OpenMP runtime first, and a compiler found (else this raises, with the reason)
     target = directory / "pagedserve_ab_kernel.so"
     error = _compile(_compiler() or "cc", target, (source,))
     if error is not None:
         raise RuntimeError(error)
     library = ctypes.CDLL(str(target))
-    name = "paged_decode_attention_f32"
-    getattr(library, name).restype, getattr(library, name).argtypes = SIGNATURES[name]
+    for name in functions:
+        getattr(library, name).restype, getattr(library, name).argtypes = SIGNATURES[name]
     return library
 
 

@@ -125,10 +125,11 @@ def pack_panels(weight: torch.Tensor, *, gated: bool = False) -> torch.Tensor:
 
 
 def panels_linear(x: torch.Tensor, panels: torch.Tensor, outputs: int, bias: torch.Tensor | None, *,
-                  gated: bool = False) -> torch.Tensor:
+                  gated: bool = False, library: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [rows, in] (fp32, rows any distance apart) @ the weight packed by `pack_panels` (+ bias): [rows, outputs];
-    gated (a gate/up weight packed gated, no bias), silu(x @ gate.T) * (x @ up.T): [rows, outputs / 2]."""
-    library = _gemm()
+    gated (a gate/up weight packed gated, no bias), silu(x @ gate.T) * (x @ up.T): [rows, outputs / 2]. `library`:
+    another build of cpu_gemm.c (`cpu_native.library_from`, `bench cpu-gemm --ab-source`), else the kernels' own."""
+    library = library or _gemm()
     assert library is not None, "the CPU kernels do not build here"
     assert not (gated and bias is not None), "a gated matmul takes no bias"
     if x.stride(1) != 1 and x.shape[1] > 1:
