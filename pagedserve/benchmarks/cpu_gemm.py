@@ -54,10 +54,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace, ab: ctypes.CDLL | None) -> dict[str, Any]:
-    from ..kernels.linear_ops import _gemm, gated_panels_fit, pack_panels
+    from ..kernels.cpu_native import native_library
+    from ..kernels.linear_ops import gated_panels_fit, pack_panels
 
-    own = _gemm()
-    assert own is not None
+    own = native_library()  # the kernels' own build (run() checked that it builds here)
     if ab is not None and ab.gemm_panel_columns() != own.gemm_panel_columns():
         raise SystemExit(f"{args.ab_source} packs panels of {ab.gemm_panel_columns()} columns, the kernels"
                          f" {own.gemm_panel_columns()}: the packed weights would not fit it")
