@@ -7,9 +7,10 @@
  * Why not oneDNN's: at a decode step's few rows the matmul only streams the weights, and oneDNN's fp32 kernels read
  * them at ~55 % of the machine's streaming rate, these at ~80 %: each thread streams its panels with a software
  * prefetch a few KiB ahead, and a tile of up to MR rows is multiplied against a panel with MR x NB sums in registers
- * (docs/kernels.md). Where a panel takes several tiles, they prefetch the thread's next panels into L2 meanwhile
- * (look_ahead), so that the weights stream while the multiply-adds run. From PAIR_ROWS rows (a prefill) the matmul is bound by the arithmetic instead, and with AVX-512 a
- * tile of MR2 rows takes two panels at once: half the broadcasts of x a multiply-add, ~15 % less time at 512 rows.
+ * (docs/kernels.md); meanwhile each tile prefetches its share of the thread's next panels into L2 (look_ahead), so
+ * that the weights stream while the multiply-adds run. From PAIR_ROWS rows (a prefill) the matmul is bound by the
+ * arithmetic instead, and with AVX-512 a tile of MR2 rows takes two panels at once: half the broadcasts of x a
+ * multiply-add, ~15 % less time at 512 rows.
  *
  * gemm_silu_mul_f32 is an MLP's gate/up matmul with SiLU(gate) * up as its epilogue: its weight is packed with each
  * panel's first HALF columns gate's and the other HALF the same outputs' up (linear_ops.py interleaves the rows), so a
@@ -74,10 +75,21 @@ static inline ahead_t look_ahead(const float *packed, int64_t k, int64_t first, 
     if (share > k) share = k;
     int64_t start = t * share;
     if (start >= total) return none;
-    ahead_t ahead = {(const char *)(packed + first * k * NB) + 64 * start, total - start < share ? total - start : share,
-                     k / share};
+    int64_t lines = total - start < share ? total - start : share;
+    ahead_t ahead = {(const char *)(packed + first * k * NB) + 64 * start, lines, k / share};
     return ahead;
 }
+
+#ifdef VW
+/* at k step i: the next of ahead's lines, if one is due (`line` and `due`: the tile's count and next step) */
+static inline __attribute__((always_inline)) void fetch_ahead(const ahead_t ahead, int64_t i, int64_t *line,
+                                                              int64_t *due) {
+    if (i == *due && *line < ahead.lines) {
+        _mm_prefetch(ahead.at + 64 * (*line)++, _MM_HINT_T1);
+        *due += ahead.every;
+    }
+}
+#endif
 
 int64_t gemm_panel_columns(void) { return NB; }
 
@@ -114,16 +126,13 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
     float sums[MR][NB];
 #ifdef VW
     vec lo[MR], hi[MR];
-    int64_t line = 0, due = 0; /* of ahead's */
+    int64_t line = 0, due = 0; /* fetch_ahead's */
     for (int m = 0; m < rows; m++) lo[m] = hi[m] = vzero();
     for (int64_t i = 0; i < k; i++) {
         const float *w = panel + i * NB;
         for (int j = 0; j < NB; j += 16) /* each 64-byte line of the panel's row ahead */
             _mm_prefetch((const char *)(w + PREFETCH_ROWS * NB + j), _MM_HINT_T0);
-        if (i == due && line < ahead.lines) {
-            _mm_prefetch(ahead.at + 64 * line++, _MM_HINT_T1);
-            due += ahead.every;
-        }
+        fetch_ahead(ahead, i, &line, &due);
         vec w_lo = vload(w), w_hi = vload(w + VW);
         for (int m = 0; m < rows; m++) {
             vec xv = vset1(x[m * x_stride + i]);
@@ -159,7 +168,7 @@ static inline __attribute__((always_inline)) void tile2(const float *x, int64_t 
     float sums[MR2][2 * NB];
     const float *pb = pa + k * NB;
     vec a_lo[MR2], a_hi[MR2], b_lo[MR2], b_hi[MR2];
-    int64_t line = 0, due = 0;
+    int64_t line = 0, due = 0; /* fetch_ahead's */
     for (int m = 0; m < rows; m++) a_lo[m] = a_hi[m] = b_lo[m] = b_hi[m] = vzero();
     for (int64_t i = 0; i < k; i++) {
         const float *wa = pa + i * NB, *wb = pb + i * NB;
@@ -167,10 +176,7 @@ static inline __attribute__((always_inline)) void tile2(const float *x, int64_t 
             _mm_prefetch((const char *)(wa + PREFETCH_ROWS * NB + j), _MM_HINT_T0);
             _mm_prefetch((const char *)(wb + PREFETCH_ROWS * NB + j), _MM_HINT_T0);
         }
-        if (i == due && line < ahead.lines) {
-            _mm_prefetch(ahead.at + 64 * line++, _MM_HINT_T1);
-            due += ahead.every;
-        }
+        fetch_ahead(ahead, i, &line, &due);
         vec wa_lo = vload(wa), wa_hi = vload(wa + VW), wb_lo = vload(wb), wb_hi = vload(wb + VW);
         for (int m = 0; m < rows; m++) {
             vec xv = vset1(x[m * x_stride + i]);
