@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .report import emit
+from .report import emit, paired_ratio
 
 SHAPES = "64x80,64x512,8x500,1x2000"
 BLOCK_SIZE = 16
@@ -97,18 +97,14 @@ def bench_shape(num_seqs: int, context: int, args: argparse.Namespace, generator
         torch_ms, c_ms, bf16_ms = (statistics.median(times[name]) for name in ("torch", "c", "c_bf16"))
         result[f"threads_{threads}"] = {"torch_ms": round(torch_ms, 4), "c_ms": round(c_ms, 4),
                                         "speedup": round(torch_ms / c_ms, 3), "c_bf16_ms": round(bf16_ms, 4),
-                                        "bf16_over_fp32": _paired(times["c_bf16"], times["c"])}
+                                        "bf16_over_fp32": paired_ratio(times["c_bf16"], times["c"])}
         if args.ab_library is not None:
             per_thread = result[f"threads_{threads}"]
             for name in ("ab_c", "ab_c_bf16"):
                 per_thread[f"{name}_ms"] = round(statistics.median(times[name]), 4)
-            per_thread["ab_over_c"] = _paired(times["ab_c"], times["c"])
-            per_thread["ab_bf16_over_c_bf16"] = _paired(times["ab_c_bf16"], times["c_bf16"])
+            per_thread["ab_over_c"] = paired_ratio(times["ab_c"], times["c"])
+            per_thread["ab_bf16_over_c_bf16"] = paired_ratio(times["ab_c_bf16"], times["c_bf16"])
     return result
-
-
-def _paired(times: list[float], base: list[float]) -> float:
-    return round(statistics.median(a / b for a, b in zip(times, base, strict=True)), 3)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .report import emit
+from .report import emit, paired_ratio
 
 GEMM_FUNCTIONS = ("gemm_panel_columns", "gemm_pack_f32", "gemm_f32", "gemm_silu_mul_f32")
 Matmul = tuple[int, bool, torch.Tensor]  # outputs, gated, the packed weight
@@ -105,7 +105,7 @@ def bench_rows(rows: int, layers: list[list[Matmul]], shapes: list[tuple[int, in
                             "gflops": round(2 * rows * weights / ms / 1e6, 1)}
     if ab is not None:
         keys["ab_ms"] = round(statistics.median(times["ab"]), 3)
-        keys["ab_over_c"] = round(statistics.median(a / c for a, c in zip(times["ab"], times["c"], strict=True)), 3)
+        keys["ab_over_c"] = paired_ratio(times["ab"], times["c"])
         keys["ab_equal"] = all(torch.equal(a, c) for a, c in zip(step(ab, layers[:1]), step(None, layers[:1]),
                                                                   strict=True))
     return keys

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from typing import Any
 
 
@@ -17,3 +18,9 @@ def emit(result: dict[str, Any], args: argparse.Namespace, table: bool = True) -
         for key, value in result.items():
             print(f"{key:>{width}}: {value}")
     print(json.dumps(result), flush=True)
+
+
+def paired_ratio(times: list[float], base: list[float]) -> float:
+    """The median of each round's ratio of `times` to `base`, measured in the same rounds (load elsewhere hits both
+    alike), to three places."""
+    return round(statistics.median(a / b for a, b in zip(times, base, strict=True)), 3)
